@@ -1,0 +1,29 @@
+"""fxshard: tensor and expert parallelism as torch.fx graph passes.
+
+Example::
+
+    import fxshard
+    from torch.distributed.tensor import Shard
+    plan = fxshard.Plan(mesh, {
+        "layers.*.attention.wq": fxshard.colwise(),
+        "layers.*.attention.wk": fxshard.colwise(),
+        "layers.*.attention.wv": fxshard.colwise(),
+        "layers.*.attention.wo": fxshard.rowwise(),
+    })
+    sharded = fxshard.transform(model, plan, example_inputs=(tokens,))
+    print(fxshard.dump(sharded))
+"""
+from .errors import PlacementMismatchError, PlanError
+from .mesh import MeshSpec
+from .plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel, vocab_parallel
+from .runtime import bind_mesh, bound_mesh
+from .trace import trace
+from .transform import transform
+from .dump import dump
+from .state import full_state_dict, load_full_state_dict
+
+__all__ = [
+    "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
+    "trace", "transform", "dump", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
+    "PlanError", "PlacementMismatchError",
+]

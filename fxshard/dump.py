@@ -1,0 +1,92 @@
+"""Seeing what happened: a table of the transformed graph, one row per node.
+
+Example::
+
+    print(fxshard.dump(sharded))
+    print(fxshard.dump(sharded, region="layers.0.*"))   # one layer
+
+Columns: node name, op, target, layout per mesh axis, local and global shape, region
+(innermost planned module) and source line.  Collective rows start with ``>>`` and
+say what they do forward and backward.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch.fx as fx
+
+from .errors import source_line
+from .layout import dtype_short, fmt_placement, fmt_shape, target_name
+from .meta import KEY, SizeInfo, TensorInfo
+from .plan import _pattern_regex
+
+
+def _cells(node: fx.Node, axes: list[str]):
+    meta = node.meta.get(KEY)
+    v = meta.value if meta is not None else None
+    if isinstance(v, TensorInfo):
+        lay = [fmt_placement(v.layout[a]) for a in axes]
+        return lay, fmt_shape(v.local_shape), fmt_shape(v.shape), dtype_short(v.dtype)
+    if isinstance(v, tuple) and v and all(isinstance(t, TensorInfo) for t in v):
+        lay = ["(" + ",".join(fmt_placement(t.layout[a]) for t in v) + ")" for a in axes]
+        return lay, " ".join(fmt_shape(t.local_shape) for t in v), " ".join(fmt_shape(t.shape) for t in v), dtype_short(v[0].dtype)
+    if isinstance(v, SizeInfo):
+        return ["" for _ in axes], "int", str(v.value), ""
+    return ["" for _ in axes], "", "", ""
+
+
+def _short_source(node: fx.Node) -> str:
+    src = source_line(node)
+    if not src:
+        return ""
+    loc = src.split("  ", 1)[0]
+    path, _, line = loc.rpartition(":")
+    return f"{os.path.basename(path)}:{line}" if path else loc
+
+
+def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> str:
+    """The transformed graph as a text table (see module docstring).
+
+    ``region``: an FQN pattern (``*`` wildcards, a trailing ``.*`` includes submodules)
+    to show only the nodes of matching modules.
+    """
+    axes = list(gm.meta.get("fxshard_mesh") or {})
+    if not axes:
+        axes = sorted({a for n in gm.graph.nodes for a in (getattr(n.meta.get(KEY), "value", None).layout
+                       if isinstance(getattr(n.meta.get(KEY), "value", None), TensorInfo) else {})})
+    rx = None
+    if region is not None:
+        rx = _pattern_regex(region[:-2]) if region.endswith(".*") else _pattern_regex(region)
+    rows = []
+    for node in gm.graph.nodes:
+        meta = node.meta.get(KEY)
+        reg = (meta.region if meta else None) or ""
+        if rx is not None:
+            if not any(rx.match(reg[: i]) or rx.match(reg) for i in [len(p) for p in _prefixes(reg)]):
+                continue
+        coll = meta.collective if meta else None
+        lay, local, glob, dtype = _cells(node, axes)
+        target = target_name(node)
+        if coll is not None:
+            target = f"{target}  [fwd {coll.fwd} | bwd {coll.bwd}]"
+        rows.append([(">> " if coll else "   ") + node.name, node.op, target, *lay, local, glob, dtype, reg,
+                     _short_source(node) if source else ""])
+    header = ["   node", "op", "target", *axes, "local", "global", "dtype", "region", "source" if source else ""]
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    colls = [n for n in gm.graph.nodes if n.meta.get(KEY) and n.meta[KEY].collective]
+    counts: dict[str, int] = {}
+    for n in colls:
+        c = n.meta[KEY].collective
+        counts[f"{c.op}@{c.axis}"] = counts.get(f"{c.op}@{c.axis}", 0) + 1
+    mesh = " ".join(f"{a}={s}" for a, s in (gm.meta.get("fxshard_mesh") or {}).items())
+    title = f"fxshard dump of {type(gm).__name__ if not hasattr(gm, '_get_name') else gm._get_name()}  mesh: {mesh or '?'}  " \
+            f"nodes: {len(rows)}  collectives: {len(colls)}" + (f" ({', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))})" if counts else "")
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _prefixes(fqn: str):
+    parts = fqn.split(".") if fqn else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))] or [""]

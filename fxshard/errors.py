@@ -1,0 +1,62 @@
+"""Errors fxshard raises for a plan that cannot be carried out.
+
+Every message names *where* (module FQN, graph node, source line), *what* (the
+layouts involved, per mesh axis) and *the fix* (the plan change that would work).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+class PlanError(ValueError):
+    """A sharding plan that does not fit the model or the mesh."""
+
+
+class PlacementMismatchError(PlanError):
+    """A layout declared in the plan (``out_src`` / preset ``inputs``) differs from the
+    layout that propagation derived for that value."""
+
+
+def source_line(node: fx.Node) -> str | None:
+    """``file:line  code`` of the user code that produced ``node``: the innermost
+    frame of its stack trace outside torch and fxshard."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [l.strip() for l in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if not lines[i].startswith("File "):
+            continue
+        try:
+            path = lines[i].split('"')[1]
+            lineno = lines[i].split("line ")[1].split(",")[0]
+        except IndexError:
+            continue
+        if any(part in path for part in ("/torch/", "/fxshard/", "/passes/")):
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        return f"{path}:{lineno}  `{code}`" if code else f"{path}:{lineno}"
+    return None
+
+
+def module_of(node: fx.Node) -> str:
+    """Innermost module FQN (and type) that ``node`` was traced in."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "<top level>"
+    fqn, mtype = list(stack.values())[-1]
+    name = getattr(mtype, "__name__", None) or str(mtype).rsplit(".", 1)[-1].rstrip("'>")
+    return f"{fqn or '<root>'} ({name})"
+
+
+def node_error(node: fx.Node, problem: str, fix: str, cls: type[PlanError] = PlanError) -> PlanError:
+    """Build a PlanError that points at ``node``."""
+    from .layout import target_name  # local import: layout imports nothing from here
+
+    lines = [f"cannot shard node `{node.name}` ({target_name(node)}) in module {module_of(node)}"]
+    src = source_line(node)
+    if src:
+        lines.append(f"  source:  {src}")
+    lines.append(f"  problem: {problem}")
+    lines.append(f"  fix:     {fix}")
+    return cls("\n".join(lines))

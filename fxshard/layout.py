@@ -1,0 +1,122 @@
+"""Layouts: one ``torch.distributed.tensor`` placement per mesh axis.
+
+Plans write layouts by axis name (``{"tp": Shard(0)}``, an axis left out is
+``Replicate()``).  Inside fxshard a layout is always *complete*: a dict with every
+mesh axis in mesh order, and ``Shard`` dims made non-negative once the tensor rank
+is known.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+Layout = dict  # {axis_name: Placement}, complete and in mesh order
+
+R = Replicate()
+
+
+def complete(layout: Mapping[str, Placement] | Placement | None, axes: Mapping[str, int], where: str = "") -> dict:
+    """Fill missing axes with ``Replicate()``; reject unknown axes and non-placements."""
+    from .errors import PlanError
+
+    if layout is None:
+        layout = {}
+    if isinstance(layout, Placement):
+        if len(axes) != 1:
+            raise PlanError(
+                f"{where}: a bare placement {fmt_placement(layout)} is ambiguous on the mesh with axes "
+                f"{list(axes)}; write it by axis name, e.g. {{{next(iter(axes))!r}: {layout!r}}}"
+            )
+        layout = {next(iter(axes)): layout}
+    if not isinstance(layout, Mapping):
+        raise PlanError(f"{where}: a layout is a dict {{axis_name: Placement}}, got {layout!r}")
+    for axis, p in layout.items():
+        if axis not in axes:
+            raise PlanError(
+                f"{where}: axis {axis!r} is not on the mesh (axes: {list(axes)}); "
+                f"rename it to one of {list(axes)} or add it to the mesh"
+            )
+        if not isinstance(p, Placement):
+            raise PlanError(f"{where}: layout on axis {axis!r} must be Shard(d), Replicate() or Partial(), got {p!r}")
+    return {a: layout.get(a, R) for a in axes}
+
+
+def normalize(layout: dict, ndim: int, where: str = "") -> dict:
+    """Make Shard dims non-negative for a tensor of rank ``ndim``."""
+    from .errors import PlanError
+
+    out = {}
+    for axis, p in layout.items():
+        if isinstance(p, Shard):
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise PlanError(f"{where}: Shard({p.dim}) on axis {axis!r} but the tensor has {ndim} dims")
+            p = Shard(d)
+        out[axis] = p
+    return out
+
+
+def is_replicate(layout: dict) -> bool:
+    return all(isinstance(p, Replicate) for p in layout.values())
+
+
+def local_shape(shape, layout: dict, axes: Mapping[str, int]) -> tuple[int, ...]:
+    """Local (per-rank) shape of a tensor of global ``shape`` with ``layout``.
+    Raises ValueError naming the axis when a sharded dim does not divide."""
+    shape = list(shape)
+    for axis, p in layout.items():
+        if isinstance(p, Shard):
+            n = axes[axis]
+            if shape[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of size {shape[p.dim]} is not divisible by the size {n} of axis {axis!r}")
+            shape[p.dim] //= n
+    return tuple(shape)
+
+
+def fmt_placement(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    if isinstance(p, Replicate):
+        return "R"
+    return repr(p)
+
+
+def fmt_layout(layout: dict | None) -> str:
+    """``{tp: S(0), dp: R}`` written compactly, e.g. ``dp=R tp=S(0)``."""
+    if layout is None:
+        return "-"
+    return " ".join(f"{a}={fmt_placement(p)}" for a, p in layout.items())
+
+
+def fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def target_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op in ("call_module", "get_attr", "placeholder", "output"):
+        return str(t)
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", str(t))
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith("torch._C._nn"):
+        return f"F.{name}"
+    if mod.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    if mod.startswith("torch") and not mod.startswith("torch._"):
+        return f"torch.{name}" if mod in ("torch", "torch.functional") else f"{mod}.{name}"
+    if mod.startswith("fxshard"):
+        return f"fxshard.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+def dtype_short(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).replace("torch.", "")

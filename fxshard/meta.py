@@ -1,0 +1,109 @@
+"""The ``node.meta["fxshard"]`` contract: the only way passes talk to each other.
+
+Every pass documents which fields it reads and writes.  Summary:
+
+=================  ==================================================  =============
+field              meaning                                             written by
+=================  ==================================================  =============
+``region``         FQN of the innermost planned module of the node     regions
+``declared``       what the plan says about this node (see below)      regions
+``value``          :class:`TensorInfo` / :class:`SizeInfo` / tuple      propagate
+``rule``           name of the layout rule that produced ``value``     propagate
+``redistribute``   ``(src, dst)`` layouts on a boundary marker         propagate
+``rewrite``        name of a specialized rewrite the node needs        propagate
+``collective``     :class:`Collective` on a communication node         redistribute, grad_sync
+=================  ==================================================  =============
+
+``declared`` is a complete layout on ``get_attr`` and ``placeholder`` nodes, and a
+:class:`Boundary` on ``region_input`` / ``region_output`` markers.
+
+Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
+``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+KEY = "fxshard"
+
+
+@dataclass
+class TensorInfo:
+    """A tensor value: layout per mesh axis, global and local shape."""
+
+    layout: dict
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+
+@dataclass
+class SizeInfo:
+    """A Python int (or tuple of ints, like ``x.shape``) read from a tensor at run time.
+
+    ``value`` is the global value seen while tracing.  ``axes`` says on which mesh
+    axes the tensor dim it came from was sharded: at run time the int is the *local*
+    size, so it may only size a dim sharded the same way.  ``None`` means the int was
+    combined in a way fxshard cannot follow (e.g. ``seqlen + 1`` of a sharded dim).
+    """
+
+    value: Any
+    axes: Any  # frozenset[str] | None, or a tuple of those for a tuple value
+
+
+@dataclass
+class Boundary:
+    """A module boundary declared by the plan, attached to a marker node."""
+
+    fqn: str
+    name: str  # argument name (inputs) or output name
+    kind: str  # "input" | "output"
+    required: dict | None = None  # input: layout required on entry
+    expected: dict | None = None  # input: layout the preset says arrives (checked)
+    src: dict | None = None  # output: layout the module produces (checked)
+    dst: dict | None = None  # output: layout on exit
+
+
+@dataclass
+class Collective:
+    """A communication node: what it does forward and backward, on which axis."""
+
+    op: str
+    axis: str
+    fwd: str
+    bwd: str
+    purpose: str = ""  # e.g. "redistribute layers.0.attention.wo output" / "grad sync"
+
+
+@dataclass
+class NodeInfo:
+    region: str | None = None
+    declared: Any = None
+    value: Any = None
+    rule: str | None = None
+    redistribute: tuple[dict, dict] | None = None
+    rewrite: str | None = None
+    collective: Collective | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's fxshard metadata, created empty on first access."""
+    meta = node.meta.get(KEY)
+    if meta is None:
+        meta = node.meta[KEY] = NodeInfo()
+    return meta
+
+
+def tensor_info(node: Any) -> TensorInfo | None:
+    """TensorInfo of a node argument, or None for non-tensors."""
+    if isinstance(node, fx.Node):
+        v = node.meta.get(KEY)
+        v = v.value if v is not None else None
+        return v if isinstance(v, TensorInfo) else None
+    return None

@@ -1,0 +1,324 @@
+"""Sharding plans as plain data: which module's tensors live where on the mesh.
+
+Example::
+
+    >>> from torch.distributed.tensor import Shard, Replicate
+    >>> plan = Plan(MeshSpec(("tp",), (2,)), {
+    ...     "layers.*.attention.wq": colwise(),
+    ...     "layers.*.attention.wo": rowwise(),
+    ... })
+    >>> plan.specs["layers.*.attention.wq"].params
+    {'weight': {'tp': Shard(dim=0)}, 'bias': {'tp': Shard(dim=0)}}
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .errors import PlanError
+from .layout import complete, fmt_layout
+from .mesh import Mesh, MeshSpec, mesh_shape
+
+LayoutLike = Any  # {axis: Placement} or a bare Placement on a 1-D mesh
+
+
+@dataclass
+class ModuleSpec:
+    """What the plan says about one module (matched by FQN pattern).
+
+    Fields:
+      params:   ``{relative_param_name: layout}``; parameters not listed are Replicate.
+      inputs:   layout each forward argument must have on entry: a bare layout for a
+                single-input module, ``{arg_name: layout}``, or a tuple by position.
+                fxshard redistributes whatever arrives into it.
+      in_src:   layout the inputs are expected to arrive in (same forms as ``inputs``);
+                checked against propagation, like ``input_layouts`` of torch's styles.
+      out_src:  layout the module produces (checked against propagation).
+      out_dst:  layout the output must have on exit (redistributed from out_src).
+      out_names: names of tuple outputs; ``out_src``/``out_dst`` may then be dicts by name.
+      local / compute: opaque region run on local tensors (expert parallelism).
+      optional_params: names in ``params`` that a module may lack (a Linear without bias).
+      style:    name of the preset that built the spec (for printing).
+
+    Example::
+
+        ModuleSpec(params={"weight": {"tp": Shard(0)}}, inputs={"tp": Replicate()},
+                   out_src={"tp": Shard(-1)}, out_dst={"tp": Replicate()})
+    """
+
+    params: dict[str, LayoutLike] = field(default_factory=dict)
+    inputs: Any = None
+    in_src: Any = None
+    out_src: Any = None
+    out_dst: Any = None
+    out_names: tuple[str, ...] | None = None
+    local: bool = False
+    compute: Callable | None = None
+    optional_params: tuple[str, ...] = ()
+    style: str | None = None
+
+    def __post_init__(self):
+        self.params = dict(self.params or {})
+        if self.out_names is not None:
+            self.out_names = tuple(self.out_names)
+
+    def declares_boundary(self) -> bool:
+        return any(x is not None for x in (self.inputs, self.in_src, self.out_src, self.out_dst))
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.style:
+            parts.append(f"style={self.style!r}")
+        if self.params:
+            parts.append("params={" + ", ".join(f"{k!r}: {_fmt(v)}" for k, v in self.params.items()) + "}")
+        for name in ("inputs", "in_src", "out_src", "out_dst"):
+            v = getattr(self, name)
+            if v is not None:
+                parts.append(f"{name}={_fmt(v)}")
+        if self.out_names:
+            parts.append(f"out_names={self.out_names}")
+        if self.local:
+            parts.append("local=True")
+        if self.compute is not None:
+            parts.append(f"compute={getattr(self.compute, '__name__', self.compute)}")
+        return "ModuleSpec(" + ", ".join(parts) + ")"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, Placement):
+        return repr(v)
+    if isinstance(v, Mapping) and all(isinstance(p, Placement) for p in v.values()):
+        return "{" + ", ".join(f"{a}: {p!r}" for a, p in v.items()) + "}"
+    return repr(v)
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement = Shard(-1)) -> ModuleSpec:
+    """Column-parallel ``nn.Linear``: weight and bias ``Shard(0)``, output ``Shard(-1)``.
+
+    ``inputs`` is the layout the input arrives in (``Shard(1)`` under sequence
+    parallelism: it is all-gathered on entry, the backward reduce-scatters); the linear
+    itself needs a replicated input.  ``out`` is the layout on exit. On an
+    ``nn.Embedding`` the weight is sharded on the embedding dim instead (``Shard(1)``).
+
+    Example: ``{"layers.*.attention.wq": colwise()}``
+    """
+    return ModuleSpec(
+        params={"weight": {axis: Shard(0)}, "bias": {axis: Shard(0)}},
+        inputs={axis: Replicate()},
+        in_src={axis: inputs},
+        out_src={axis: Shard(-1)},
+        out_dst={axis: out},
+        optional_params=("bias",),
+        style="colwise",
+    )
+
+
+def rowwise(axis: str = "tp", *, inputs: Placement = Shard(-1), out: Placement = Replicate()) -> ModuleSpec:
+    """Row-parallel ``nn.Linear``: weight ``Shard(1)``, bias replicated and added once
+    after the reduction; the output is produced ``Partial`` and redistributed to ``out``
+    (``Replicate()``: all-reduce; ``Shard(1)``: reduce-scatter for sequence parallel).
+
+    ``inputs`` is the layout the input arrives in; a ``Replicate()`` input is chunked
+    locally.  On an ``nn.Embedding`` this is the vocab-parallel embedding.
+
+    Example: ``{"layers.*.feed_forward.w2": rowwise()}``
+    """
+    return ModuleSpec(
+        params={"weight": {axis: Shard(1)}},
+        inputs={axis: Shard(-1)},
+        in_src={axis: inputs},
+        out_src={axis: Partial()},
+        out_dst={axis: out},
+        style="rowwise",
+    )
+
+
+def sequence_parallel(axis: str = "tp", dim: int = 1) -> ModuleSpec:
+    """A norm or other token-wise module run on a sequence-sharded input.
+
+    Its input must be ``Shard(dim)`` on entry and it produces ``Shard(dim)``; its
+    replicated weights get their gradient summed over ``axis`` by the grad-sync rule.
+
+    Example: ``{"layers.*.attention_norm": sequence_parallel()}``
+    """
+    return ModuleSpec(inputs={axis: Shard(dim)}, out_src={axis: Shard(dim)}, style="sequence_parallel")
+
+
+def vocab_parallel(axis: str = "tp", *, out: Placement = Replicate()) -> ModuleSpec:
+    """Vocab-parallel ``nn.Embedding``: weight ``Shard(0)``; ids outside this rank's
+    vocab range are masked and their rows zeroed, the output is ``Partial`` and then
+    all-reduced (``out=Replicate()``) or reduce-scattered (``out=Shard(1)``).
+
+    Example: ``{"tok_embeddings": vocab_parallel(out=Shard(1))}``
+    """
+    return ModuleSpec(
+        params={"weight": {axis: Shard(0)}},
+        inputs={axis: Replicate()},
+        out_src={axis: Partial()},
+        out_dst={axis: out},
+        style="vocab_parallel",
+    )
+
+
+def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
+    """Presets follow torch's styles: on an ``nn.Embedding`` colwise shards the
+    embedding dim and rowwise is the vocab-parallel embedding."""
+    import torch.nn as nn
+
+    if module_type is None or not issubclass(module_type, nn.Embedding):
+        return spec
+    if spec.style == "colwise":
+        (axis,) = spec.params["weight"]
+        return replace(spec, params={"weight": {axis: Shard(1)}}, optional_params=(), style="colwise")
+    if spec.style == "rowwise":
+        (axis,) = spec.params["weight"]
+        return replace(vocab_parallel(axis, out=spec.out_dst[axis]), in_src=spec.in_src if False else None)
+    return spec
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part).replace(r"\*", "[^.]*") for part in pattern.split(".")) + "$")
+
+
+class Plan:
+    """A sharding plan: a mesh, ``{fqn_pattern: ModuleSpec}`` and the layouts of the
+    graph inputs by placeholder name (default: all ``Replicate``).
+
+    Example::
+
+        plan = fxshard.Plan(mesh, {
+            "layers.*.attention.wq": fxshard.colwise(),
+            "layers.*.attention.wo": fxshard.rowwise(),
+        }, inputs={"tokens": {"dp": Shard(0)}})
+
+    Validated on construction against the mesh (unknown axes, malformed layouts);
+    patterns, parameter names and divisibility are checked against the model by
+    ``fxshard.transform``.
+    """
+
+    def __init__(self, mesh: Mesh, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None):
+        self.mesh = mesh
+        self.axes = mesh_shape(mesh)
+        self.specs: dict[str, ModuleSpec] = dict(specs or {})
+        self.inputs: dict[str, dict] = {}
+        for name, layout in (inputs or {}).items():
+            self.inputs[name] = complete(layout, self.axes, f"Plan inputs[{name!r}]")
+        for pattern, spec in self.specs.items():
+            if not isinstance(spec, ModuleSpec):
+                raise PlanError(
+                    f"plan entry {pattern!r}: expected an fxshard.ModuleSpec (colwise(), rowwise(), ...), got "
+                    f"{type(spec).__name__}; for torch.distributed.tensor.parallel styles use Plan.from_torch(mesh, plan)"
+                )
+            self._check_spec(pattern, spec)
+        self._regex = {p: _pattern_regex(p) for p in self.specs}
+
+    def _check_spec(self, pattern: str, spec: ModuleSpec) -> None:
+        for name, layout in spec.params.items():
+            complete(layout, self.axes, f"plan entry {pattern!r} params[{name!r}]")
+        for field_name in ("inputs", "in_src", "out_src", "out_dst"):
+            v = getattr(spec, field_name)
+            if v is None:
+                continue
+            items = v.items() if isinstance(v, Mapping) and not _is_layout(v) else (
+                enumerate(v) if isinstance(v, (tuple, list)) else [(None, v)])
+            for key, layout in items:
+                if layout is not None:
+                    where = f"plan entry {pattern!r} {field_name}" + (f"[{key!r}]" if key is not None else "")
+                    complete(layout, self.axes, where)
+
+    # -- matching ---------------------------------------------------------------------
+    def match(self, fqn: str) -> tuple[str, ModuleSpec] | None:
+        """The (pattern, spec) that applies to module ``fqn``; PlanError if two differ."""
+        hits = [(p, s) for p, s in self.specs.items() if self._regex[p].match(fqn)]
+        if len(hits) > 1 and any(s != hits[0][1] for _, s in hits[1:]):
+            raise PlanError(
+                f"module {fqn!r} is matched by several plan entries with different specs: "
+                f"{[p for p, _ in hits]}; make the patterns disjoint"
+            )
+        return hits[0] if hits else None
+
+    def check_patterns(self, fqns: list[str]) -> None:
+        """Every pattern must match at least one module; suggest the closest FQN."""
+        for pattern, rx in self._regex.items():
+            if not any(rx.match(f) for f in fqns):
+                close = difflib.get_close_matches(pattern.replace("*", "0"), fqns, n=3, cutoff=0.3)
+                hint = f"; closest module FQNs: {close}" if close else ""
+                raise PlanError(f"plan entry {pattern!r} matches no module of the model{hint}. Fix the pattern (FQNs use '.' and '*' matches one name)")
+
+    # -- data-like behaviour -------------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plan) and self.axes == other.axes and self.specs == other.specs and self.inputs == other.inputs
+
+    def __repr__(self) -> str:
+        mesh = ", ".join(f"{a}={n}" for a, n in self.axes.items())
+        lines = [f"Plan(mesh({mesh}), {{"]
+        lines += [f"    {p!r}: {s!r}," for p, s in self.specs.items()]
+        lines.append("}" + (f", inputs={{{', '.join(f'{k!r}: {fmt_layout(v)}' for k, v in self.inputs.items())}}}" if self.inputs else "") + ")")
+        return "\n".join(lines)
+
+    # -- conversion from torch.distributed.tensor.parallel ---------------------------------
+    @classmethod
+    def from_torch(cls, mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: str | None = None, inputs=None) -> "Plan":
+        """Convert a ``parallelize_module`` plan (style *instances*) into an fxshard Plan.
+
+        ``ColwiseParallel``/``RowwiseParallel`` keep their ``input_layouts`` and
+        ``output_layouts``; ``SequenceParallel`` becomes :func:`sequence_parallel`;
+        ``PrepareModuleInput`` becomes a spec that redistributes its inputs from
+        ``input_layouts`` to ``desired_input_layouts``.
+
+        Example::
+
+            Plan.from_torch(mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        """
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+
+        axes = mesh_shape(mesh)
+        if axis is None:
+            if len(axes) != 1:
+                raise PlanError(f"Plan.from_torch: torch styles act on one mesh axis; pass axis= one of {list(axes)}")
+            axis = next(iter(axes))
+        specs = {}
+        for pattern, style in parallelize_plan.items():
+            if isinstance(style, type):
+                raise PlanError(f"Plan.from_torch entry {pattern!r}: got the class {style.__name__}; write an instance, {style.__name__}()")
+            if isinstance(style, ColwiseParallel):
+                specs[pattern] = colwise(axis, inputs=style.input_layouts[0], out=style.output_layouts[0])
+            elif isinstance(style, RowwiseParallel):
+                specs[pattern] = rowwise(axis, inputs=style.input_layouts[0], out=style.output_layouts[0])
+            elif isinstance(style, SequenceParallel):
+                specs[pattern] = sequence_parallel(axis, dim=style.sequence_sharding[0].dim)
+            elif isinstance(style, PrepareModuleInput):
+                def lay(p):
+                    return None if p is None else {axis: p}
+                if style.with_kwargs:
+                    req = {k: lay(v) for k, v in style.desired_input_kwarg_layouts.items()}
+                    exp = {k: lay(v) for k, v in style.input_kwarg_layouts.items()}
+                    if any(p is not None for p in style.desired_input_layouts or ()):
+                        raise PlanError(f"Plan.from_torch entry {pattern!r}: mixing positional and keyword input layouts is not supported; use keywords only")
+                else:
+                    req = tuple(lay(p) for p in style.desired_input_layouts)
+                    exp = tuple(lay(p) for p in style.input_layouts)
+                specs[pattern] = ModuleSpec(inputs=req, in_src=exp, style="prepare_input")
+            elif isinstance(style, PrepareModuleOutput):
+                specs[pattern] = ModuleSpec(
+                    out_src=tuple({axis: p} for p in style.output_layouts) if len(style.output_layouts) > 1 else {axis: style.output_layouts[0]},
+                    out_dst=tuple({axis: p} for p in style.desired_output_layouts) if len(style.desired_output_layouts) > 1 else {axis: style.desired_output_layouts[0]},
+                    style="prepare_output")
+            else:
+                raise PlanError(f"Plan.from_torch entry {pattern!r}: no conversion for {type(style).__name__}; write an fxshard.ModuleSpec for it")
+        return cls(mesh, specs, inputs=inputs)
+
+
+def _is_layout(v) -> bool:
+    return isinstance(v, Mapping) and all(isinstance(p, Placement) for p in v.values())

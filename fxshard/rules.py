@@ -1,0 +1,705 @@
+"""Layout rules: how each op maps the layouts of its inputs to the layout of its output.
+
+One rule per family of ops, looked up by ``RULES[target]`` (functions) or
+``METHOD_RULES[name]`` (``Tensor`` methods).  A rule sees a :class:`Ctx` and returns
+the output layout (a complete dict), a list of layouts for tuple outputs, or a
+:class:`~fxshard.meta.SizeInfo` for ints read from shapes.  Rules reason one mesh axis
+at a time: placements on different axes are independent.
+
+A rule never changes a layout to make an op fit: when an op cannot run on what it
+receives, it raises a PlanError through ``ctx.fail`` that names the node and says
+which plan change would make it fit.
+"""
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .errors import PlanError, node_error
+from .layout import fmt_layout, fmt_placement
+from .meta import KEY, SizeInfo, TensorInfo
+
+R = Replicate()
+
+
+class Ctx:
+    """What a rule sees: the node, the mesh axes, argument infos and the global output value."""
+
+    def __init__(self, node: fx.Node, axes: dict[str, int]):
+        self.node = node
+        self.axes = axes
+        self.val = node.meta.get("val")
+
+    # -- arguments ---------------------------------------------------------------------
+    def arg(self, i: int, name: str | None = None, default=None):
+        if i < len(self.node.args):
+            return self.node.args[i]
+        if name is not None and name in self.node.kwargs:
+            return self.node.kwargs[name]
+        return default
+
+    @staticmethod
+    def info_of(a) -> Any:
+        if isinstance(a, fx.Node):
+            m = a.meta.get(KEY)
+            return None if m is None else m.value
+        return None
+
+    def t(self, i: int, name: str | None = None) -> TensorInfo | None:
+        v = self.info_of(self.arg(i, name))
+        return v if isinstance(v, TensorInfo) else None
+
+    def tensor_args(self) -> list[tuple[Any, TensorInfo]]:
+        out = []
+        for a in _flat(self.node.args, self.node.kwargs):
+            v = self.info_of(a)
+            if isinstance(v, TensorInfo):
+                out.append((a, v))
+        return out
+
+    @property
+    def out_ndim(self) -> int:
+        return self.val.dim()
+
+    # -- errors ---------------------------------------------------------------------
+    def fail(self, problem: str, fix: str) -> PlanError:
+        ins = [f"{a.name} {fmt_layout(ti.layout)}" for a, ti in self.tensor_args()]
+        if ins:
+            problem = f"{problem}\n  inputs:  " + "; ".join(ins)
+        return node_error(self.node, problem, fix)
+
+
+def _flat(args, kwargs):
+    out = []
+
+    def walk(x):
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        else:
+            out.append(x)
+
+    walk(args)
+    walk(kwargs)
+    return out
+
+
+def reduce_fix(axis: str) -> str:
+    return ("reduce the value before this op: give the module that produced the Partial an output layout on "
+            f"{axis!r} (rowwise(out=Replicate()) or ModuleSpec(out_dst={{{axis!r}: Replicate()}}))")
+
+
+def _layout_map(ctx: Ctx, fn: Callable[[str], Any]) -> dict:
+    return {axis: fn(axis) for axis in ctx.axes}
+
+
+# ----------------------------------------------------------------------------- pointwise
+
+LINEAR_UNARY = "unary"
+
+
+def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None = None):
+    """Elementwise op with broadcasting.  ``kind`` says how it treats Partial inputs:
+    ``"add"`` (all tensor operands Partial), ``"mul"`` (one Partial operand), ``"div"``
+    (Partial numerator), ``"unary"`` (linear in its only tensor), None (nonlinear)."""
+
+    def rule(ctx: Ctx):
+        tensors = ctx.tensor_args()
+        if tensor_positions is not None:
+            keep = {id(ctx.arg(i)) for i in tensor_positions}
+            tensors = [(a, ti) for a, ti in tensors if id(a) in keep]
+        scalars = [a for a in _flat(ctx.node.args, ctx.node.kwargs) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        nd = ctx.out_ndim
+
+        def one(axis):
+            shard_dims, partial, reps = set(), [], []
+            for a, ti in tensors:
+                p = ti.layout[axis]
+                if isinstance(p, Shard):
+                    shard_dims.add(p.dim + nd - len(ti.shape))
+                elif isinstance(p, Partial):
+                    partial.append((a, ti))
+                else:
+                    reps.append((a, ti))
+            if partial:
+                if shard_dims:
+                    raise ctx.fail(f"elementwise {ctx.node.target} mixes Partial and Shard inputs on axis {axis!r}", reduce_fix(axis))
+                ok = (kind == "unary" and len(tensors) == 1) or (
+                    kind == "add" and not reps and not any(scalars)) or (
+                    kind == "mul" and len(partial) == 1) or (
+                    kind == "div" and len(partial) == 1 and partial[0][0] is ctx.arg(0))
+                if not ok:
+                    why = "is not linear" if kind is None else "is not linear in these operands"
+                    raise ctx.fail(
+                        f"{_name(ctx.node)} {why}: it cannot run on a Partial (unreduced) value on axis {axis!r} "
+                        f"(Partial from {', '.join(a.name for a, _ in partial)})",
+                        reduce_fix(axis))
+                return partial[0][1].layout[axis]
+            if not shard_dims:
+                return R
+            if len(shard_dims) > 1:
+                raise ctx.fail(f"inputs are sharded on different dims {sorted(shard_dims)} of the result on axis {axis!r}",
+                               "give both operands the same layout in the plan")
+            (d,) = shard_dims
+            for a, ti in reps:
+                ad = d - (nd - len(ti.shape))
+                if ad >= 0 and ti.shape[ad] != 1:
+                    raise ctx.fail(
+                        f"Replicate input `{a.name}` {list(ti.shape)} is combined elementwise with an input sharded on dim {d} "
+                        f"on axis {axis!r}; its dim {ad} is full-size, not broadcast",
+                        f"shard `{a.name}` the same way in the plan (e.g. declare its producing module's output Shard({d}) on {axis!r}), "
+                        f"or make the other operand Replicate")
+            return Shard(d)
+
+        return _layout_map(ctx, one)
+
+    return rule
+
+
+def _name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+# ----------------------------------------------------------------------------- linear algebra
+
+def linear(ctx: Ctx):
+    x, w, b = ctx.t(0, "input"), ctx.t(1, "weight"), ctx.t(2, "bias")
+    n = len(x.shape)
+    fqn = ctx.arg(1, "weight").target if isinstance(ctx.arg(1, "weight"), fx.Node) else "weight"
+    pending = False
+
+    def one(axis):
+        nonlocal pending
+        px, pw = x.layout[axis], w.layout[axis]
+        pb = b.layout[axis] if b is not None else None
+        if isinstance(pw, Replicate):
+            if pb is not None and not isinstance(pb, Replicate):
+                raise ctx.fail(f"bias is {fmt_placement(pb)} but the weight is Replicate on axis {axis!r}", "shard the bias like the weight (colwise)")
+            if isinstance(px, Shard) and px.dim == n - 1:
+                raise ctx.fail(f"input is sharded on its feature dim on axis {axis!r} but the weight `{fqn}` is Replicate",
+                               f"make this linear rowwise({axis!r}) (weight Shard(1)), or make its input Replicate")
+            if isinstance(px, Partial):
+                pending = pending or b is not None
+            return px
+        if isinstance(pw, Shard) and pw.dim == 0:
+            if not isinstance(px, Replicate):
+                raise ctx.fail(f"column-parallel linear (`{fqn}` Shard(0) on {axis!r}) needs a Replicate input, got {fmt_placement(px)}",
+                               f"declare the module's input Replicate on {axis!r} (colwise() does), so it is gathered/reduced on entry")
+            if pb is not None and pb != Shard(0):
+                raise ctx.fail(f"column-parallel linear needs its bias Shard(0) on {axis!r}, got {fmt_placement(pb)}", "shard the bias with the weight (colwise)")
+            return Shard(n - 1)
+        if isinstance(pw, Shard) and pw.dim == 1:
+            if px != Shard(n - 1):
+                raise ctx.fail(f"row-parallel linear (`{fqn}` Shard(1) on {axis!r}) needs its input Shard(-1), got {fmt_placement(px)}",
+                               f"declare the module's input Shard(-1) on {axis!r} (rowwise() does)")
+            if pb is not None and not isinstance(pb, Replicate):
+                raise ctx.fail(f"row-parallel linear needs a Replicate bias on {axis!r}, got {fmt_placement(pb)}", "leave the bias out of params (it is added once after the reduction)")
+            pending = pending or b is not None
+            return Partial()
+        raise ctx.fail(f"weight `{fqn}` has layout {fmt_placement(pw)} on {axis!r}", "use Shard(0) (colwise), Shard(1) (rowwise) or Replicate")
+
+    out = _layout_map(ctx, one)
+    if pending:
+        ctx.node.meta[KEY].rewrite = "defer_bias"
+    return out
+
+
+def matmul(ctx: Ctx):
+    a, b = ctx.t(0), ctx.t(1)
+    na, nb, no = len(a.shape), len(b.shape), ctx.out_ndim
+    if na < 2 or nb < 2:
+        if a.layout == b.layout and all(isinstance(p, Replicate) for p in a.layout.values()):
+            return a.layout
+        raise ctx.fail("matmul with a 1-D operand on sharded inputs", "reshape to 2-D or keep the operands Replicate")
+
+    def out_dim_a(d):
+        return None if d == na - 1 else d + no - na
+
+    def out_dim_b(d):
+        return None if d == nb - 2 else d + no - nb
+
+    def one(axis):
+        pa, pb = a.layout[axis], b.layout[axis]
+        if isinstance(pa, Replicate) and isinstance(pb, Replicate):
+            return R
+        if isinstance(pa, Partial) or isinstance(pb, Partial):
+            if isinstance(pa, Partial) and isinstance(pb, Replicate) or isinstance(pb, Partial) and isinstance(pa, Replicate):
+                return Partial()
+            raise ctx.fail(f"matmul of {fmt_placement(pa)} and {fmt_placement(pb)} on axis {axis!r}", reduce_fix(axis))
+        da = out_dim_a(pa.dim) if isinstance(pa, Shard) else "R"
+        db = out_dim_b(pb.dim) if isinstance(pb, Shard) else "R"
+        if da is None and db is None:
+            return Partial()
+        if da is None or db is None:
+            raise ctx.fail(f"only one operand is sharded on the contracted dim on axis {axis!r}", "shard both operands on the contracted dim, or neither")
+        d = da if da != "R" else db
+        if da != "R" and db != "R" and da != db:
+            raise ctx.fail(f"operands sharded on different result dims ({da} and {db}) on axis {axis!r}", "shard them on the same batch dim")
+        # a replicated operand must broadcast along the sharded batch dim
+        for ti, nt, name in ((a, na, "left"), (b, nb, "right")):
+            if isinstance(ti.layout[axis], Replicate):
+                td = d - (no - nt)
+                is_batch = 0 <= td < nt - 2
+                if is_batch and ti.shape[td] != 1:
+                    raise ctx.fail(f"the {name} operand is Replicate but full-size on batch dim {d} sharded on {axis!r}", "shard both operands on that dim")
+        return Shard(d)
+
+    return _layout_map(ctx, one)
+
+
+def sdpa(ctx: Ctx):
+    q, k, v = ctx.t(0, "query"), ctx.t(1, "key"), ctx.t(2, "value")
+    mask = ctx.t(3, "attn_mask")
+    nd = len(q.shape)
+
+    def one(axis):
+        ps = {q.layout[axis], k.layout[axis], v.layout[axis]}
+        if len(ps) != 1:
+            raise ctx.fail(f"query, key and value have different layouts on axis {axis!r}", "shard q, k and v the same way (heads or batch)")
+        (p,) = ps
+        if isinstance(p, Replicate):
+            if mask is not None and not isinstance(mask.layout[axis], Replicate):
+                raise ctx.fail(f"attention mask is sharded on {axis!r} but q/k/v are Replicate", "keep the mask Replicate")
+            return R
+        if isinstance(p, Partial):
+            raise ctx.fail(f"attention on Partial inputs on axis {axis!r}", reduce_fix(axis))
+        if p.dim >= nd - 2:
+            what = "sequence" if p.dim == nd - 2 else "head"
+            raise ctx.fail(f"attention inputs are sharded on the {what} dim (dim {p.dim}) on axis {axis!r}; "
+                           "attention needs whole sequences and whole heads (context parallelism is not supported yet)",
+                           "shard attention by heads (colwise q/k/v) or by batch, and gather the sequence before attention")
+        if mask is not None:
+            mp = mask.layout[axis]
+            md = p.dim - (nd - len(mask.shape))
+            if isinstance(mp, Replicate) and md >= 0 and mask.shape[md] != 1:
+                raise ctx.fail(f"attention mask is Replicate but full-size on dim {p.dim} sharded on {axis!r}", "shard the mask like q/k/v or broadcast it on that dim")
+        return p
+
+    return _layout_map(ctx, one)
+
+
+# ----------------------------------------------------------------------------- reductions, norms
+
+def _dims(d, nd) -> list[int]:
+    if d is None:
+        return list(range(nd))
+    if isinstance(d, int):
+        d = [d]
+    return [x + nd if x < 0 else x for x in d]
+
+
+def reduction(kind: str):
+    """sum/mean-like reductions: reducing a sharded dim leaves a Partial (sum or avg)."""
+
+    def rule(ctx: Ctx):
+        x = ctx.t(0)
+        nd = len(x.shape)
+        dims = _dims(ctx.arg(1, "dim"), nd)
+        keep = ctx.arg(2, "keepdim", ctx.node.kwargs.get("keepdim", False))
+
+        def one(axis):
+            p = x.layout[axis]
+            if isinstance(p, Partial):
+                if kind in ("sum", "mean"):
+                    return p
+                raise ctx.fail(f"{kind} of a Partial value on axis {axis!r}", reduce_fix(axis))
+            if isinstance(p, Shard):
+                if p.dim in dims:
+                    if kind == "sum":
+                        return Partial()
+                    if kind == "mean":
+                        return Partial("avg")
+                    raise ctx.fail(f"{kind} over dim {p.dim}, which is sharded on {axis!r}", "make that dim Replicate before the reduction")
+                return Shard(p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim))
+            return R
+
+        return _layout_map(ctx, one)
+
+    return rule
+
+
+def softmax(ctx: Ctx):
+    x = ctx.t(0)
+    nd = len(x.shape)
+    d = ctx.arg(1, "dim")
+    d = d + nd if d < 0 else d
+
+    def one(axis):
+        p = x.layout[axis]
+        if isinstance(p, Partial):
+            raise ctx.fail(f"softmax of a Partial value on axis {axis!r}", reduce_fix(axis))
+        if isinstance(p, Shard) and p.dim == d:
+            raise ctx.fail(f"softmax over dim {d}, which is sharded on {axis!r}", "keep the softmax dim Replicate (for the vocab dim of a loss, use loss parallel)")
+        return p
+
+    return _layout_map(ctx, one)
+
+
+def norm(weight_positions: tuple[int, ...]):
+    """layer_norm / rms_norm: the normalized (trailing) dims must not be sharded."""
+
+    def rule(ctx: Ctx):
+        x = ctx.t(0, "input")
+        nd = len(x.shape)
+        shape = ctx.arg(1, "normalized_shape")
+        k = 1 if isinstance(shape, int) else len(shape)
+        weights = [(ctx.arg(i), ctx.t(i)) for i in weight_positions if ctx.t(i) is not None]
+
+        def one(axis):
+            p = x.layout[axis]
+            if isinstance(p, Partial):
+                raise ctx.fail(f"normalization of a Partial value on axis {axis!r}", reduce_fix(axis))
+            if isinstance(p, Shard) and p.dim >= nd - k:
+                raise ctx.fail(f"the norm reduces over dim {p.dim}, which is sharded on {axis!r}",
+                               f"give the norm a Replicate input on {axis!r}, or sequence_parallel({axis!r}) to shard the sequence instead")
+            for a, ti in weights:
+                if not isinstance(ti.layout[axis], Replicate):
+                    raise ctx.fail(f"norm parameter `{a.name}` is {fmt_placement(ti.layout[axis])} on {axis!r}", "keep norm parameters Replicate")
+            return p
+
+        return _layout_map(ctx, one)
+
+    return rule
+
+
+def embedding(ctx: Ctx):
+    ids, w = ctx.t(0, "input"), ctx.t(1, "weight")
+    nd = ctx.out_ndim
+    vocab = False
+
+    def one(axis):
+        nonlocal vocab
+        pi, pw = ids.layout[axis], w.layout[axis]
+        if isinstance(pw, Replicate):
+            if isinstance(pi, Partial):
+                raise ctx.fail("embedding ids cannot be Partial", "make the ids Replicate")
+            return pi
+        if not isinstance(pi, Replicate):
+            raise ctx.fail(f"sharded embedding weight ({fmt_placement(pw)}) needs Replicate ids on {axis!r}, got {fmt_placement(pi)}",
+                           "shard the ids on another axis, or keep them Replicate")
+        if pw == Shard(1):
+            return Shard(nd - 1)
+        if pw == Shard(0):
+            vocab = True
+            return Partial()
+        raise ctx.fail(f"embedding weight layout {fmt_placement(pw)} on {axis!r}", "use Shard(0) (vocab_parallel), Shard(1) (colwise) or Replicate")
+
+    out = _layout_map(ctx, one)
+    if vocab:
+        ctx.node.meta[KEY].rewrite = "vocab_parallel_embedding"
+    return out
+
+
+def cross_entropy(ctx: Ctx):
+    x, target = ctx.t(0, "input"), ctx.t(1, "target")
+    reduction_ = ctx.node.kwargs.get("reduction", ctx.arg(7) if len(ctx.node.args) > 7 else "mean")
+    class_dim = 1 if len(x.shape) > 1 else 0
+
+    def one(axis):
+        px, pt = x.layout[axis], target.layout[axis]
+        if isinstance(px, Partial):
+            raise ctx.fail(f"cross-entropy of Partial logits on axis {axis!r}", reduce_fix(axis))
+        if isinstance(px, Shard) and px.dim == class_dim:
+            ctx.node.meta[KEY].rewrite = "loss_parallel"
+            if not isinstance(pt, Replicate):
+                raise ctx.fail("vocab-parallel cross-entropy needs Replicate targets", "keep targets Replicate on the vocab axis")
+            return R if reduction_ != "none" else R
+        if isinstance(px, Shard):
+            td = px.dim if px.dim < class_dim else px.dim - 1
+            if pt != Shard(td):
+                raise ctx.fail(f"logits are sharded on dim {px.dim} but targets are {fmt_placement(pt)} on {axis!r}", "shard logits and targets on the same batch dim")
+            return {"none": Shard(td), "sum": Partial(), "mean": Partial("avg")}[reduction_]
+        if not isinstance(pt, Replicate):
+            raise ctx.fail(f"targets are sharded on {axis!r} but logits are Replicate", "shard logits and targets the same way")
+        return R
+
+    return _layout_map(ctx, one)
+
+
+# ----------------------------------------------------------------------------- shape ops
+
+def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Split a reshape ``a -> b`` into groups of input dims and output dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        ins, outs, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ins.append(i); pa *= a[i]; i += 1
+            elif j < len(b):
+                outs.append(j); pb *= b[j]; j += 1
+            else:
+                break
+        groups.append((ins, outs))
+    return groups
+
+
+def reshape_like(ctx: Ctx):
+    """view/reshape/flatten/unflatten/squeeze/unsqueeze/view_as_complex/view_as_real."""
+    x = ctx.t(0)
+    a, b = tuple(x.shape), tuple(ctx.val.shape)
+    groups = view_groups(a, b)
+
+    def one(axis):
+        p = x.layout[axis]
+        if not isinstance(p, Shard):
+            return p
+        for ins, outs in groups:
+            if p.dim in ins:
+                if any(a[d] != 1 for d in ins[: ins.index(p.dim)]):
+                    break
+                o = next((d for d in outs if b[d] != 1), None)
+                if o is None or b[o] % ctx.axes[axis]:
+                    break
+                return Shard(o)
+        raise ctx.fail(f"reshape {list(a)} -> {list(b)} splits or merges dim {p.dim}, which is sharded on {axis!r}, "
+                       "so the local pieces are not a shard of the result",
+                       "keep the sharded dim the outermost of any merged group (e.g. shard heads, not head_dim), or make it Replicate before the reshape")
+
+    return _layout_map(ctx, one)
+
+
+def permute_like(kind: str):
+    def rule(ctx: Ctx):
+        x = ctx.t(0)
+        nd = len(x.shape)
+        if kind == "transpose":
+            d0, d1 = ctx.arg(1, "dim0"), ctx.arg(2, "dim1")
+            d0, d1 = d0 % nd, d1 % nd
+            perm = list(range(nd)); perm[d0], perm[d1] = perm[d1], perm[d0]
+        elif kind == "t":
+            perm = list(range(nd))[::-1]
+        else:
+            dims = ctx.node.args[1:] if len(ctx.node.args) > 2 or isinstance(ctx.arg(1), int) else ctx.arg(1, "dims")
+            perm = [d % nd for d in dims]
+        inv = {src: dst for dst, src in enumerate(perm)}
+        return _layout_map(ctx, lambda axis: Shard(inv[x.layout[axis].dim]) if isinstance(x.layout[axis], Shard) else x.layout[axis])
+
+    return rule
+
+
+def expand(ctx: Ctx):
+    x = ctx.t(0)
+    off = ctx.out_ndim - len(x.shape)
+    return _layout_map(ctx, lambda axis: Shard(x.layout[axis].dim + off) if isinstance(x.layout[axis], Shard) else x.layout[axis])
+
+
+def repeat_interleave(ctx: Ctx):
+    x = ctx.t(0)
+    dim = ctx.arg(2, "dim")
+    reps = ctx.arg(1, "repeats")
+
+    def one(axis):
+        p = x.layout[axis]
+        if isinstance(p, Shard):
+            if dim is None or not isinstance(reps, int):
+                raise ctx.fail(f"repeat_interleave on a tensor sharded on {axis!r} needs an int repeats and a dim", "pass dim= and an int")
+            return p
+        return p
+
+    return _layout_map(ctx, one)
+
+
+def split(ctx: Ctx):
+    x = ctx.t(0)
+    nd = len(x.shape)
+    dim = ctx.arg(2, "dim", 0)
+    dim = dim + nd if dim < 0 else dim
+    for axis, p in x.layout.items():
+        if isinstance(p, Shard) and p.dim == dim:
+            src = ctx.arg(0).name
+            meta = ctx.node.meta[KEY]
+            if meta.extra.get("fused_split"):
+                break
+            raise ctx.fail(f"split/chunk along dim {dim}, which is sharded on {axis!r}: each rank holds a slice of every piece only if "
+                           f"the producing weight was sharded part by part",
+                           f"shard the fused weight part by part: colwise({axis!r}, splits=[...]) on the module that produces `{src}`")
+    return [dict(x.layout) for _ in ctx.val]
+
+
+def cat(stack: bool):
+    def rule(ctx: Ctx):
+        tensors = ctx.arg(0, "tensors")
+        infos = [ctx.info_of(t) for t in tensors]
+        nd = len(infos[0].shape)
+        dim = ctx.arg(1, "dim", 0)
+        dim = dim % (nd + 1 if stack else nd)
+
+        def one(axis):
+            ps = {ti.layout[axis] for ti in infos}
+            if len(ps) != 1:
+                raise ctx.fail(f"{'stack' if stack else 'cat'} of tensors with different layouts on {axis!r}", "give all inputs the same layout")
+            (p,) = ps
+            if isinstance(p, Shard):
+                if not stack and p.dim == dim:
+                    raise ctx.fail(f"cat along dim {dim}, which is sharded on {axis!r}", "concatenate along another dim or make it Replicate")
+                if stack and p.dim >= dim:
+                    return Shard(p.dim + 1)
+            return p
+
+        return _layout_map(ctx, one)
+
+    return rule
+
+
+def getitem(ctx: Ctx):
+    src, idx = ctx.arg(0), ctx.arg(1)
+    v = ctx.info_of(src)
+    if isinstance(v, (list, tuple)):
+        return v[idx].layout if isinstance(v[idx], TensorInfo) else v[idx]
+    if isinstance(v, SizeInfo):
+        return SizeInfo(v.value[idx], v.axes[idx] if isinstance(v.axes, tuple) else None)
+    if not isinstance(v, TensorInfo):
+        return None
+    items = idx if isinstance(idx, tuple) else (idx,)
+    nd = len(v.shape)
+    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+    mapping, advanced, in_d, out_d = {}, [], 0, 0
+    for it in items:
+        if it is None:
+            out_d += 1
+        elif it is Ellipsis:
+            for _ in range(nd - consumed):
+                mapping[in_d] = out_d; in_d += 1; out_d += 1
+        elif isinstance(it, slice):
+            mapping[in_d] = (out_d, it); in_d += 1; out_d += 1
+        elif isinstance(it, int) or isinstance(ctx.info_of(it), SizeInfo):
+            mapping[in_d] = None; in_d += 1
+        else:
+            advanced.append(in_d); in_d += 1; out_d += 1
+    while in_d < nd:
+        mapping[in_d] = out_d; in_d += 1; out_d += 1
+
+    def one(axis):
+        p = v.layout[axis]
+        if isinstance(p, Replicate) or isinstance(p, Partial):
+            return p
+        m = mapping.get(p.dim)
+        if p.dim in advanced or advanced:
+            raise ctx.fail(f"advanced indexing of a tensor sharded on {axis!r}", "make it Replicate before indexing")
+        if m is None:
+            raise ctx.fail(f"indexing selects single entries of dim {p.dim}, which is sharded on {axis!r}", "make that dim Replicate before indexing")
+        if isinstance(m, tuple):
+            o, s = m
+            if s != slice(None):
+                raise ctx.fail(f"slicing dim {p.dim}, which is sharded on {axis!r}", "slice a Replicate dim, or slice before sharding")
+            return Shard(o)
+        return Shard(m)
+
+    return _layout_map(ctx, one)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def _dim_axes(ti: TensorInfo, d: int) -> frozenset:
+    return frozenset(a for a, p in ti.layout.items() if isinstance(p, Shard) and p.dim == d)
+
+
+def size(ctx: Ctx):
+    x = ctx.t(0)
+    d = ctx.arg(1, "dim")
+    nd = len(x.shape)
+    if d is None:
+        return SizeInfo(tuple(x.shape), tuple(_dim_axes(x, i) for i in range(nd)))
+    d = d % nd
+    return SizeInfo(x.shape[d], _dim_axes(x, d))
+
+
+def getattr_rule(ctx: Ctx):
+    x = ctx.t(0)
+    attr = ctx.arg(1)
+    if x is not None and attr == "shape":
+        return SizeInfo(tuple(x.shape), tuple(_dim_axes(x, i) for i in range(len(x.shape))))
+    if x is not None and attr == "ndim":
+        return SizeInfo(len(x.shape), frozenset())
+    if x is not None and attr in ("T", "mT", "mH", "H"):
+        raise ctx.fail(f"tensor attribute .{attr}", "use transpose(...) instead")
+    return None
+
+
+def int_arith(op):
+    def rule(ctx: Ctx):
+        parts = [ctx.info_of(a) if isinstance(a, fx.Node) else a for a in ctx.node.args]
+        axes = [p.axes if isinstance(p, SizeInfo) else frozenset() for p in parts]
+        if any(a is None or isinstance(a, tuple) for a in axes):
+            return SizeInfo(ctx.val, None)
+        sharded = [a for a in axes if a]
+        if not sharded:
+            return SizeInfo(ctx.val, frozenset())
+        if op in (operator.mul, operator.floordiv) and len(sharded) == 1 and (op is operator.mul or axes[0]):
+            return SizeInfo(ctx.val, sharded[0])
+        return SizeInfo(ctx.val, None)
+
+    return rule
+
+
+# ----------------------------------------------------------------------------- the table
+
+_add, _mul, _div = pointwise("add"), pointwise("mul"), pointwise("div")
+_unary, _nonlin = pointwise("unary"), pointwise(None)
+_type_as = pointwise("unary", tensor_positions=(0,))
+
+RULES: dict[Any, Callable] = {
+    operator.add: _add, operator.sub: _add, operator.mul: _mul, operator.truediv: _div, operator.neg: _unary,
+    operator.pow: _nonlin, operator.matmul: matmul, operator.getitem: getitem, builtins.getattr: getattr_rule,
+    torch.add: _add, torch.sub: _add, torch.mul: _mul, torch.div: _div, torch.neg: _unary,
+    torch.rsqrt: _nonlin, torch.sqrt: _nonlin, torch.exp: _nonlin, torch.log: _nonlin, torch.tanh: _nonlin,
+    torch.sigmoid: _nonlin, torch.sin: _nonlin, torch.cos: _nonlin, torch.pow: _nonlin, torch.where: _nonlin,
+    torch.abs: _nonlin, torch.clamp: _nonlin, torch.square: _nonlin, torch.polar: _nonlin, torch.outer: _nonlin,
+    torch.matmul: matmul, torch.bmm: matmul,
+    torch.softmax: softmax, F.softmax: softmax, F.log_softmax: softmax, torch.log_softmax: softmax,
+    F.silu: _nonlin, F.gelu: _nonlin, F.relu: _nonlin, torch.relu: _nonlin, F.tanh: _nonlin, F.sigmoid: _nonlin,
+    F.dropout: _unary, F.linear: linear, F.embedding: embedding,
+    F.layer_norm: norm((2, 3)), F.rms_norm: norm((2,)), F.scaled_dot_product_attention: sdpa,
+    F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
+    torch.reshape: reshape_like, torch.flatten: reshape_like, torch.unflatten: reshape_like,
+    torch.squeeze: reshape_like, torch.unsqueeze: reshape_like,
+    torch.view_as_complex: reshape_like, torch.view_as_real: reshape_like,
+    torch.transpose: permute_like("transpose"), torch.permute: permute_like("permute"), torch.t: permute_like("t"),
+    torch.repeat_interleave: repeat_interleave, torch.split: split, torch.chunk: split,
+    torch.cat: cat(False), torch.concat: cat(False), torch.stack: cat(True),
+    torch.sum: reduction("sum"), torch.mean: reduction("mean"), torch.amax: reduction("amax"),
+}
+
+METHOD_RULES: dict[str, Callable] = {
+    "add": _add, "sub": _add, "mul": _mul, "div": _div, "neg": _unary, "__add__": _add,
+    "float": _unary, "half": _unary, "bfloat16": _unary, "double": _unary, "to": _type_as, "type_as": _type_as,
+    "contiguous": _unary, "clone": _unary, "detach": _unary,
+    "pow": _nonlin, "rsqrt": _nonlin, "sqrt": _nonlin, "exp": _nonlin, "log": _nonlin, "tanh": _nonlin,
+    "sigmoid": _nonlin, "relu": _nonlin, "abs": _nonlin, "sin": _nonlin, "cos": _nonlin, "masked_fill": _nonlin,
+    "square": _nonlin, "clamp": _nonlin,
+    "softmax": softmax, "log_softmax": softmax, "matmul": matmul,
+    "view": reshape_like, "reshape": reshape_like, "flatten": reshape_like, "unflatten": reshape_like,
+    "squeeze": reshape_like, "unsqueeze": reshape_like, "view_as": reshape_like, "reshape_as": reshape_like,
+    "transpose": permute_like("transpose"), "permute": permute_like("permute"), "t": permute_like("t"),
+    "expand": expand, "expand_as": expand, "repeat_interleave": repeat_interleave,
+    "split": split, "chunk": split,
+    "sum": reduction("sum"), "mean": reduction("mean"), "amax": reduction("amax"), "max": reduction("max"),
+    "size": size, "dim": lambda ctx: SizeInfo(len(ctx.t(0).shape), frozenset()),
+}
+
+INT_RULES = {operator.mul: int_arith(operator.mul), operator.floordiv: int_arith(operator.floordiv),
+             operator.add: int_arith(operator.add), operator.sub: int_arith(operator.sub)}
+
+
+def rule_for(node: fx.Node) -> tuple[str, Callable | None]:
+    """(rule name, rule) for a call_function/call_method node."""
+    if node.op == "call_method":
+        fn = METHOD_RULES.get(node.target)
+        return (node.target, fn)
+    t = node.target
+    if t in INT_RULES and not any(isinstance(Ctx.info_of(a), TensorInfo) for a in node.args):
+        return ("int", INT_RULES[t])
+    fn = RULES.get(t)
+    return (getattr(fn, "__name__", "rule") if fn else "", fn)

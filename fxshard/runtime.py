@@ -1,0 +1,375 @@
+"""Runtime collectives called by the graphs that fxshard generates.
+
+Every public op takes the mesh axis *name* as a literal string
+(``all_reduce(x, "tp")``) and resolves it, at run time, through the mesh bound by
+:func:`bind_mesh` (``fxshard.transform`` binds one).  The generated code is
+therefore identical on every rank and stays readable in dumps.
+
+The ops are ``torch.autograd.Function``\\ s with Megatron's f/g semantics
+(DESIGN.md section 4), not the raw functional collectives, whose backward would
+scale replicated gradients by the group size:
+
+==============================  ==================  ==========================
+op                              forward             backward
+==============================  ==================  ==========================
+``all_reduce``   P -> R         all-reduce (sum)    identity
+``reduce_scatter`` P -> S(d)    reduce-scatter      all-gather
+``all_gather``   S(d) -> R      all-gather          local chunk (grad R) or
+                                                    reduce-scatter (grad P)
+``shard``        R -> S(d)      local chunk         all-gather
+``all_to_all``   S(i) -> S(j)   all-to-all          all-to-all back
+``grad_sync``                   identity            all-reduce (sum)
+==============================  ==================  ==========================
+
+Communication goes through ``torch.ops._c10d_functional`` (followed by
+``wait_tensor``) with the process-group *name*, so ``torch.compile`` sees the
+collectives.  On an axis of size 1 every op returns its input unchanged.
+
+Each op is registered with ``torch.fx.wrap`` so that re-tracing a transformed
+graph keeps it as a single leaf ``call_function`` node.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+from .mesh import Mesh, MeshSpec, mesh_shape
+
+__all__ = [
+    "bind_mesh",
+    "bound_mesh",
+    "axis_size",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "shard",
+    "all_to_all",
+    "grad_sync",
+]
+
+_c10d = torch.ops._c10d_functional
+
+# The only global state of fxshard: the bound mesh and, per axis, what the ops need.
+#   "mesh": DeviceMesh | MeshSpec
+#   "axes": {axis: _Axis}
+_BINDING: dict[str, Any] = {}
+
+_UNBOUND_MSG = "no device mesh is bound: fxshard.transform(...) binds one, or call fxshard.bind_mesh(mesh)"
+
+
+class _Axis:
+    """What the ops need about one mesh axis (cached at bind time)."""
+
+    __slots__ = ("name", "size", "group_name", "local_index")
+
+    def __init__(self, name: str, size: int, group_name: Optional[str], local_index: Optional[int]):
+        self.name = name
+        self.size = size
+        self.group_name = group_name  # None for a MeshSpec
+        self.local_index = local_index  # None for a MeshSpec or when bound under simulated ranks
+
+
+# --------------------------------------------------------------------------- binding
+
+
+def bind_mesh(mesh: Optional[Mesh]) -> Optional[Mesh]:
+    """Bind ``mesh`` (a ``DeviceMesh`` with named dims, or a ``MeshSpec``) for the ops.
+
+    Caches, per axis, its size and, for a ``DeviceMesh``, the process-group name and
+    this rank's index on the axis.  ``bind_mesh(None)`` unbinds.  Returns the
+    previously bound mesh (or ``None``) so callers can restore it.
+    """
+    previous = _BINDING.get("mesh")
+    if mesh is None:
+        _BINDING.clear()
+        return previous
+    shape = mesh_shape(mesh)  # validates the type and the dim names
+    axes: dict[str, _Axis] = {}
+    if isinstance(mesh, MeshSpec):
+        for name, size in shape.items():
+            axes[name] = _Axis(name, int(size), None, None)
+    else:
+        simulated = enabled_local_tensor_mode() is not None
+        for name, size in shape.items():
+            group_name = mesh.get_group(name).group_name
+            # Under simulated ranks the index is a per-rank SymInt: read it at run time.
+            local_index = None if simulated else int(mesh.get_local_rank(name))
+            axes[name] = _Axis(name, int(size), group_name, local_index)
+    _BINDING.clear()
+    _BINDING["mesh"] = mesh
+    _BINDING["axes"] = axes
+    return previous
+
+
+def bound_mesh() -> Mesh:
+    """The mesh bound by :func:`bind_mesh`; ``RuntimeError`` when none is bound."""
+    mesh = _BINDING.get("mesh")
+    if mesh is None:
+        raise RuntimeError(_UNBOUND_MSG)
+    return mesh
+
+
+def _axis(axis: str) -> _Axis:
+    bound_mesh()
+    axes: dict[str, _Axis] = _BINDING["axes"]
+    try:
+        return axes[axis]
+    except KeyError:
+        raise ValueError(
+            f"mesh axis {axis!r} is not on the bound mesh, whose axes are {list(axes)}"
+        ) from None
+
+
+def axis_size(axis: str) -> int:
+    """Size of mesh axis ``axis`` of the bound mesh (no communication; works for a MeshSpec)."""
+    return _axis(axis).size
+
+
+def _comm_axis(axis: str, op: str) -> _Axis:
+    """Resolve ``axis`` for a collective; refuse an offline (MeshSpec) binding."""
+    ax = _axis(axis)
+    if ax.group_name is None:
+        raise RuntimeError(
+            f"fxshard.{op}(..., {axis!r}): the bound mesh is {bound_mesh()}, so this graph was transformed "
+            f"offline with a MeshSpec; transform it with a DeviceMesh (init_device_mesh) to run it"
+        )
+    return ax
+
+
+def _local_index(ax: _Axis):
+    """This rank's index on the axis: an int, or a per-rank SymInt under simulated ranks."""
+    if enabled_local_tensor_mode() is not None or ax.local_index is None:
+        return bound_mesh().get_local_rank(ax.name)
+    return ax.local_index
+
+
+def _norm_dim(x: torch.Tensor, dim: int, op: str) -> int:
+    nd = x.dim()
+    if not -nd <= dim < nd:
+        raise IndexError(f"fxshard.{op}: dim {dim} is out of range for a tensor of {nd} dims (shape {tuple(x.shape)})")
+    return dim % nd
+
+
+def _check_divisible(x: torch.Tensor, dim: int, ax: _Axis, op: str) -> None:
+    if x.size(dim) % ax.size != 0:
+        raise ValueError(
+            f"fxshard.{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size {x.size(dim)}, "
+            f"which is not divisible by the size {ax.size} of mesh axis {ax.name!r}"
+        )
+
+
+# --------------------------------------------------------------------------- raw collectives
+
+
+def _raw_all_reduce(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", ax.group_name))
+
+
+def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (``dim`` normalized)."""
+    y = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
+    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(y, ax.size, ax.group_name))
+    return y.movedim(0, dim).contiguous() if dim != 0 else y
+
+
+def _raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim`` (``dim`` normalized)."""
+    y = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
+    y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(y, "sum", ax.size, ax.group_name))
+    return y.movedim(0, dim).contiguous() if dim != 0 else y
+
+
+def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+    n = x.size(dim) // ax.size
+    return x.narrow(dim, _local_index(ax) * n, n).contiguous()
+
+
+def _raw_all_to_all(x: torch.Tensor, src: int, dst: int, ax: _Axis) -> torch.Tensor:
+    """Split ``x`` along ``dst`` into one piece per rank, exchange, concat along ``src``."""
+    n = ax.size
+    m = x.size(dst) // n
+    # (n, *piece): piece j goes to rank j.
+    send = torch.stack(x.split(m, dst), 0).contiguous()
+    flat = send.flatten(0, 1)  # x has >= 2 dims (src != dst), so send has >= 3
+    rows = flat.size(0) // n
+    recv = _c10d.wait_tensor(_c10d.all_to_all_single(flat, [rows] * n, [rows] * n, ax.group_name))
+    recv = recv.view(send.shape)  # recv[j] = piece from rank j
+    # Received pieces are consecutive chunks of the ``src`` dim, in rank order.
+    return recv.movedim(0, src).flatten(src, src + 1).contiguous()
+
+
+# --------------------------------------------------------------------------- autograd functions
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        return _raw_all_reduce(x, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim):
+        ctx.ax, ctx.dim = ax, dim
+        return _raw_reduce_scatter(x, dim, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _raw_all_gather(g, ctx.dim, ctx.ax), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim, grad_partial):
+        ctx.ax, ctx.dim, ctx.grad_partial = ax, dim, grad_partial
+        return _raw_all_gather(x, dim, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad_partial:
+            gx = _raw_reduce_scatter(g, ctx.dim, ctx.ax)
+        else:
+            gx = _local_chunk(g, ctx.dim, ctx.ax)
+        return gx, None, None, None
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, dim):
+        ctx.ax, ctx.dim = ax, dim
+        return _local_chunk(x, dim, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _raw_all_gather(g, ctx.dim, ctx.ax), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax, src, dst):
+        ctx.ax, ctx.src, ctx.dst = ax, src, dst
+        return _raw_all_to_all(x, src, dst, ax)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _raw_all_to_all(g, ctx.dst, ctx.src, ctx.ax), None, None, None
+
+
+class _GradSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _raw_all_reduce(g, ctx.ax), None
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """``Partial -> Replicate`` on ``axis``.
+
+    Forward: all-reduce (sum) over the axis.  Backward: identity, no communication
+    (the incoming gradient is already replicated).
+    """
+    ax = _comm_axis(axis, "all_reduce")
+    if ax.size == 1:
+        return x
+    return _AllReduce.apply(x, ax)
+
+
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """``Partial -> Shard(dim)`` on ``axis``.
+
+    Forward: reduce-scatter (sum) along ``dim``; rank ``i`` keeps chunk ``i``.
+    ``x.size(dim)`` must be divisible by the axis size.  Backward: all-gather of the
+    gradient along ``dim``.
+    """
+    ax = _comm_axis(axis, "reduce_scatter")
+    dim = _norm_dim(x, dim, "reduce_scatter")
+    _check_divisible(x, dim, ax, "reduce_scatter")
+    if ax.size == 1:
+        return x
+    return _ReduceScatter.apply(x, ax, dim)
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate") -> torch.Tensor:
+    """``Shard(dim) -> Replicate`` on ``axis``.
+
+    Forward: all-gather along ``dim`` (rank order).  Backward depends on the layout
+    of the incoming gradient: ``grad="replicate"`` takes this rank's chunk of it, no
+    communication; ``grad="partial"`` reduce-scatters it along ``dim`` (a grad sync
+    folded into the gather, as in Megatron's sequence parallelism).
+    """
+    if grad not in ("replicate", "partial"):
+        raise ValueError(f"fxshard.all_gather: grad must be 'replicate' or 'partial', got {grad!r}")
+    ax = _comm_axis(axis, "all_gather")
+    dim = _norm_dim(x, dim, "all_gather")
+    if ax.size == 1:
+        return x
+    return _AllGather.apply(x, ax, dim, grad == "partial")
+
+
+def shard(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """``Replicate -> Shard(dim)`` on ``axis``.
+
+    Forward: this rank's chunk of ``x`` along ``dim``, no communication.
+    ``x.size(dim)`` must be divisible by the axis size.  Backward: all-gather of the
+    gradient along ``dim``.
+    """
+    ax = _comm_axis(axis, "shard")
+    dim = _norm_dim(x, dim, "shard")
+    _check_divisible(x, dim, ax, "shard")
+    if ax.size == 1:
+        return x
+    return _Shard.apply(x, ax, dim)
+
+
+def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    """``Shard(src_dim) -> Shard(dst_dim)`` on ``axis``.
+
+    Forward: all-to-all; ``x`` is split along ``dst_dim`` into one piece per rank
+    (``x.size(dst_dim)`` must be divisible by the axis size), piece ``j`` is sent to
+    rank ``j``, and the received pieces are concatenated along ``src_dim`` in rank
+    order.  Backward: the reverse all-to-all (``dst_dim -> src_dim``) of the gradient.
+    """
+    ax = _comm_axis(axis, "all_to_all")
+    src = _norm_dim(x, src_dim, "all_to_all")
+    dst = _norm_dim(x, dst_dim, "all_to_all")
+    if src == dst:
+        raise ValueError(f"fxshard.all_to_all: src_dim and dst_dim are the same dim ({src_dim}, {dst_dim})")
+    _check_divisible(x, dst, ax, "all_to_all")
+    if ax.size == 1:
+        return x
+    return _AllToAll.apply(x, ax, src, dst)
+
+
+def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Gradient sync on ``axis``: the value's gradient is ``Partial`` there.
+
+    Forward: identity, no communication.  Backward: all-reduce (sum) of the
+    gradient, so every rank gets the full gradient (Megatron's "copy to region").
+    """
+    ax = _comm_axis(axis, "grad_sync")
+    if ax.size == 1:
+        return x
+    return _GradSync.apply(x, ax)
+
+
+torch.fx.wrap("axis_size")
+torch.fx.wrap("all_reduce")
+torch.fx.wrap("reduce_scatter")
+torch.fx.wrap("all_gather")
+torch.fx.wrap("shard")
+torch.fx.wrap("all_to_all")
+torch.fx.wrap("grad_sync")

@@ -1,0 +1,58 @@
+"""Full (unsharded) checkpoints of a transformed GraphModule.
+
+Example::
+
+    sd = fxshard.full_state_dict(sharded)      # collective: every rank gets full tensors
+    fxshard.load_full_state_dict(sharded, sd)  # every rank keeps its slice
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from . import runtime
+from .passes.shard_state import local_slice
+
+
+def _layouts(gm: fx.GraphModule) -> dict:
+    state = gm.meta.get("fxshard_state")
+    if state is None:
+        raise ValueError("this GraphModule was not produced by fxshard.transform (no gm.meta['fxshard_state'])")
+    return state
+
+
+def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Gather every sharded tensor over its mesh axes; returns the single-device
+    ``state_dict`` (same keys).  A collective: call it on every rank."""
+    layouts = _layouts(gm)
+    out = {}
+    for fqn, t in gm.state_dict().items():
+        layout, shape = layouts.get(fqn, (None, None))
+        t = t.detach()
+        if layout is not None:
+            for axis, p in reversed(list(layout.items())):  # innermost axis first
+                if isinstance(p, Shard):
+                    t = runtime.all_gather(t, axis, p.dim)
+        out[fqn] = t.clone()
+    return out
+
+
+def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a single-device ``state_dict``: every rank copies its slice in place."""
+    layouts = _layouts(gm)
+    mesh = runtime.bound_mesh()
+    own = gm.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for fqn, t in own.items():
+            if fqn not in state_dict:
+                continue
+            full = state_dict[fqn]
+            layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, expected the global shape {tuple(shape)}")
+            t.copy_(local_slice(full, layout, mesh) if layout is not None else full)

@@ -1,0 +1,107 @@
+"""Tracing a model into the graph fxshard rewrites.
+
+``trace`` is ``torch.fx.symbolic_trace`` with three additions: the plan's opaque
+regions stay leaf ``call_module`` nodes, every argument and output of a planned
+module that is traced through gets a boundary marker (so its layouts have an edge to
+live on), and global shapes are recorded by fake-tensor propagation.  Each node keeps
+its ``nn_module_stack`` and ``stack_trace`` for regions and error messages.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .boundary import region_input, region_output
+from .errors import PlanError
+
+
+class ShardTracer(fx.Tracer):
+    """fx tracer that keeps opaque plan regions as leaves and marks planned module
+    boundaries with ``region_input`` / ``region_output``."""
+
+    def __init__(self, plan=None):
+        super().__init__()
+        self.proxy_buffer_attributes = True
+        self.record_stack_traces = True
+        self.plan = plan
+
+    def _spec(self, fqn: str):
+        if self.plan is None:
+            return None
+        hit = self.plan.match(fqn)
+        return hit[1] if hit else None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        spec = self._spec(qualname)
+        if spec is not None and spec.local:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        fqn = self.path_of_module(m)
+        spec = self._spec(fqn)
+        if spec is None or not spec.declares_boundary() or self.is_leaf_module(m, fqn):
+            return super().call_module(m, forward, args, kwargs)
+        # Bind to the forward's signature so inputs are marked by argument name.
+        sig = inspect.signature(m.forward)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise PlanError(f"module {fqn!r}: cannot bind its call to forward{sig}: {e}") from e
+        for name, value in list(bound.arguments.items()):
+            if isinstance(value, fx.Proxy):
+                bound.arguments[name] = self.create_proxy("call_function", region_input, (value, fqn, name), {})
+        out = super().call_module(m, forward, bound.args, bound.kwargs)
+        return _mark_outputs(self, out, fqn, spec.out_names)
+
+
+def _mark_outputs(tracer: fx.Tracer, out, fqn: str, out_names):
+    def mark(v, name):
+        return tracer.create_proxy("call_function", region_output, (v, fqn, name), {}) if isinstance(v, fx.Proxy) else v
+
+    if isinstance(out, (tuple, list)):
+        names = out_names or tuple(str(i) for i in range(len(out)))
+        if len(names) != len(out):
+            raise PlanError(f"module {fqn!r}: out_names {tuple(names)} but its forward returns {len(out)} values")
+        return type(out)(mark(v, n) for v, n in zip(out, names))
+    return mark(out, (out_names or ("output",))[0])
+
+
+def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = ()) -> fx.GraphModule:
+    """Trace ``model`` for fxshard.
+
+    Example::
+
+        gm = fxshard.trace(model, plan, (tokens,))
+        print(gm.code)   # region_input/region_output mark the planned modules
+
+    ``example_inputs`` are the single-device (global) inputs; when given, every node's
+    ``meta["val"]`` holds a fake tensor with its global shape.
+    """
+    tracer = ShardTracer(plan)
+    graph = tracer.trace(model)
+    name = model.__class__.__name__ if isinstance(model, nn.Module) else model.__name__
+    gm = fx.GraphModule(tracer.root, graph, name)
+    if example_inputs:
+        record_shapes(gm, example_inputs)
+    return gm
+
+
+def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Run ``gm`` on fake copies of ``example_inputs`` and store each node's fake value
+    in ``node.meta["val"]`` (global shapes and dtypes)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        try:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        except Exception as e:  # name the node that failed
+            raise PlanError(f"running the model on the example inputs failed while recording shapes: {e}") from e

@@ -1,0 +1,97 @@
+"""``fxshard.transform``: the pass pipeline.  This list is the table of contents."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+from . import runtime
+from .errors import PlanError
+from .meta import KEY
+from .plan import Plan
+from .trace import record_shapes, trace
+from .passes.normalize import normalize
+from .passes.regions import regions
+from .passes.propagate import propagate
+from .passes.localize import localize
+from .passes.defer_bias import defer_bias
+from .passes.vocab_parallel_embedding import vocab_parallel_embedding
+from .passes.redistribute import redistribute
+from .passes.grad_sync import grad_sync
+from .passes.shard_state import shard_state
+from .passes.cleanup import cleanup
+
+
+def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> fx.GraphModule:
+    """Rewrite a model into the per-rank program of ``plan``; returns a new GraphModule.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("tp",))
+        plan = fxshard.Plan(mesh, {"w1": fxshard.colwise(), "w2": fxshard.rowwise()})
+        sharded = fxshard.transform(model, plan, example_inputs=(x,))
+        y_local = sharded(x)          # every rank passes its inputs per plan.inputs
+
+    ``gm_or_module`` is an ``nn.Module`` (traced with :func:`fxshard.trace`), a
+    GraphModule from :func:`fxshard.trace`, or one from plain ``torch.fx.symbolic_trace``
+    (then ``example_inputs`` are required).  ``example_inputs`` are the single-device
+    (global) inputs.  The input is never mutated, also when the transform fails.  The
+    plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
+    """
+    with maybe_disable_local_tensor_mode():
+        gm = _fresh_copy(gm_or_module, plan, example_inputs)
+        axes = plan.axes
+        normalize(gm, plan)
+        regions(gm, plan)
+        propagate(gm, axes)
+        localize(gm, axes)
+        defer_bias(gm)
+        vocab_parallel_embedding(gm, axes)
+        redistribute(gm, axes)
+        grad_sync(gm)
+    runtime.bind_mesh(plan.mesh)
+    shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
+    cleanup(gm)
+    gm.meta["fxshard_mesh"] = dict(axes)
+    return gm
+
+
+def _fresh_copy(obj, plan, example_inputs) -> fx.GraphModule:
+    if isinstance(obj, fx.GraphModule):
+        gm = _copy_graph_module(obj)
+        if example_inputs is not None:
+            record_shapes(gm, example_inputs)
+        elif any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
+            raise PlanError("this GraphModule has no recorded shapes: pass example_inputs= (the single-device inputs) "
+                            "to fxshard.transform, or trace it with fxshard.trace(model, plan, example_inputs)")
+        return gm
+    if isinstance(obj, nn.Module):
+        if example_inputs is None:
+            raise PlanError("transforming an nn.Module needs example_inputs= (the single-device inputs)")
+        return trace(copy.deepcopy(obj), plan, example_inputs)
+    raise TypeError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """Deep copy of parameters and graph; node metadata is copied shallowly except
+    fxshard's own, which every transform derives afresh."""
+    memo: dict = {}  # one memo: tied parameters stay tied in the copy
+    holder = nn.Module()
+    for name, m in gm.named_children():
+        holder.add_module(name, copy.deepcopy(m, memo))
+    for name, p in gm.named_parameters(recurse=False):
+        holder.register_parameter(name, copy.deepcopy(p, memo))
+    for name, b in gm.named_buffers(recurse=False):
+        holder.register_buffer(name, copy.deepcopy(b, memo))
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        n.meta.pop(KEY, None)
+    new = fx.GraphModule(holder, graph, gm.__class__.__name__)
+    new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
+    return new

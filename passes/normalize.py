@@ -1,0 +1,101 @@
+"""normalize: leaf modules that own parameters become functional calls.
+
+``call_module`` nodes of ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
+``nn.RMSNorm`` (and the parameter-free ``nn.Dropout`` and activation modules) are
+replaced by their ``torch.nn.functional`` form with ``get_attr`` inputs, so every use
+of a parameter is an edge later passes can see and rewrite.  A planned leaf module
+that declares inputs or outputs gets ``region_input``/``region_output`` markers
+around its functional call, the same markers ``fxshard.trace`` puts around planned
+modules it traces through.
+
+Reads:  ``node.meta["nn_module_stack"]``, the plan (which modules declare boundaries).
+Writes: new nodes inherit ``nn_module_stack``, ``stack_trace`` and ``val`` of the
+        ``call_module`` they replace.  No ``node.meta["fxshard"]`` field.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxshard.boundary import region_input, region_output
+
+_ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh, nn.Sigmoid: F.sigmoid}
+
+
+def _functional(graph: fx.Graph, node: fx.Node, mod: nn.Module, x: fx.Node):
+    """Emit the functional call for ``mod(x)`` before ``node``; None if unknown."""
+    fqn = node.target
+
+    def param(name):
+        return graph.get_attr(f"{fqn}.{name}") if getattr(mod, name, None) is not None else None
+
+    if isinstance(mod, nn.Linear):
+        return graph.call_function(F.linear, (x, param("weight"), param("bias")))
+    if isinstance(mod, nn.Embedding):
+        return graph.call_function(F.embedding, (x, param("weight")), {
+            "padding_idx": mod.padding_idx, "max_norm": mod.max_norm, "norm_type": mod.norm_type,
+            "scale_grad_by_freq": mod.scale_grad_by_freq, "sparse": mod.sparse})
+    if isinstance(mod, nn.LayerNorm):
+        return graph.call_function(F.layer_norm, (x, tuple(mod.normalized_shape), param("weight"), param("bias"), mod.eps))
+    if isinstance(mod, nn.RMSNorm):
+        return graph.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), param("weight"), mod.eps))
+    if isinstance(mod, nn.Dropout):
+        return graph.call_function(F.dropout, (x, mod.p, mod.training, mod.inplace))
+    if isinstance(mod, nn.GELU):
+        return graph.call_function(F.gelu, (x,), {"approximate": mod.approximate})
+    for cls, fn in _ACTIVATIONS.items():
+        if type(mod) is cls:
+            return graph.call_function(fn, (x,))
+    return None
+
+
+def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    """Rewrite parameter-owning leaf modules into functional calls (in place)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        mod = gm.get_submodule(node.target)
+        hit = plan.match(node.target) if plan is not None else None
+        spec = hit[1] if hit else None
+        if spec is not None and spec.local:
+            continue  # opaque region: stays a call_module
+        with graph.inserting_before(node):
+            x = node.args[0]
+            marked = spec is not None and spec.declares_boundary()
+            if marked:
+                arg_name = next(iter(inspect.signature(mod.forward).parameters))
+                x = graph.call_function(region_input, (x, node.target, arg_name))
+            new = _functional(graph, node, mod, x)
+            if new is None:
+                if marked:
+                    graph.erase_node(x)
+                continue
+            out = graph.call_function(region_output, (new, node.target, "output")) if marked else new
+        for n in _nodes_between(x if marked else new, out):
+            n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+            if "val" in node.meta and n.op != "get_attr":
+                n.meta["val"] = node.meta["val"] if n is not x else node.args[0].meta.get("val")
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    _drop_unused_leaves(gm)
+    gm.recompile()
+    return gm
+
+
+def _nodes_between(first: fx.Node, last: fx.Node):
+    n = first
+    while True:
+        yield n
+        if n is last:
+            return
+        n = n.next
+
+
+def _drop_unused_leaves(gm: fx.GraphModule) -> None:
+    """Keep the replaced modules' parameters (reached via get_attr) but drop modules
+    no node calls any more, so the GraphModule holds what the graph uses."""
+    gm.delete_all_unused_submodules()

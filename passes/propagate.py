@@ -1,0 +1,193 @@
+"""propagate: forward layout propagation in topological order.
+
+Every value gets its layout per mesh axis, global and local shape.  Layouts enter at
+graph inputs (``Plan(inputs=...)``) and parameters (``params``) and change *only* at
+the boundary markers where the plan declares them; everywhere else the rule table
+(:mod:`fxshard.rules`) derives the output layout from the inputs or raises a
+PlanError that names the node and the plan change that would fix it.  fxshard never
+inserts communication the plan did not ask for.
+
+Reads:  ``node.meta["val"]`` (global fake values), ``node.meta["fxshard"].declared``.
+Writes: ``.value`` (TensorInfo / SizeInfo / tuple), ``.rule``, ``.redistribute`` on
+        boundary markers whose layout changes, ``.rewrite`` on nodes a specialized
+        pass must rewrite (``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from fxshard.boundary import region_input, region_output
+from fxshard.errors import PlacementMismatchError, PlanError, node_error
+from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
+from fxshard.meta import SizeInfo, TensorInfo, info
+from fxshard.rules import Ctx, rule_for
+
+
+def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
+    """Annotate every node with its layout (in place)."""
+    for node in gm.graph.nodes:
+        meta = info(node)
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
+            meta.rule = "plan input"
+        elif node.op == "get_attr":
+            attr = _fetch(gm, node.target)
+            if isinstance(attr, torch.Tensor):
+                node.meta.setdefault("val", attr)
+                meta.value = _tensor(node, meta.declared, axes, requires_grad=attr.requires_grad, what=f"parameter {node.target!r}")
+                meta.rule = "plan param" if not is_replicate(meta.declared) else "replicated param"
+        elif node.target is region_input:
+            _enter(node, axes)
+        elif node.target is region_output:
+            _exit(node, axes)
+        else:
+            _apply_rule(node, axes)
+    return gm
+
+
+def _fetch(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _tensor(node, layout, axes, requires_grad, what) -> TensorInfo | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    layout = normalize(layout, val.dim(), what)
+    try:
+        local = local_shape(val.shape, layout, axes)
+    except ValueError as e:
+        axis = next(a for a, p in layout.items() if isinstance(p, Shard) and val.shape[p.dim] % axes[a])
+        raise node_error(node, f"{what}: {e}",
+                         f"make dim {layout[axis].dim} a multiple of {axes[axis]}, shard another dim, or use a smaller {axis!r} axis") from None
+    return TensorInfo(layout, tuple(val.shape), local, val.dtype, requires_grad)
+
+
+def _wrap(node, value, axes, requires_grad):
+    """Turn a rule's result (layout / list of layouts / SizeInfo) into node values."""
+    val = node.meta.get("val")
+    if isinstance(value, dict):
+        if not isinstance(val, torch.Tensor):
+            raise node_error(node, "no global shape was recorded for this node", "pass example_inputs to fxshard.transform")
+        return _tensor(node, value, axes, requires_grad, f"result of `{node.name}`")
+    if isinstance(value, list):
+        return tuple(_tensor_from(v, lay, node, axes, requires_grad) for v, lay in zip(val, value))
+    return value
+
+
+def _tensor_from(val, layout, node, axes, requires_grad):
+    try:
+        return TensorInfo(layout, tuple(val.shape), local_shape(val.shape, layout, axes), val.dtype, requires_grad)
+    except ValueError as e:
+        raise node_error(node, str(e), "choose sizes the axis divides") from None
+
+
+def _inputs_require_grad(node) -> bool:
+    grads = []
+    for a in node.all_input_nodes:
+        v = info(a).value
+        if isinstance(v, TensorInfo):
+            grads.append(v.requires_grad)
+        elif isinstance(v, tuple):
+            grads.extend(t.requires_grad for t in v if isinstance(t, TensorInfo))
+    return any(grads)
+
+
+def _apply_rule(node: fx.Node, axes):
+    meta = info(node)
+    ctx = Ctx(node, axes)
+    tensors = ctx.tensor_args()
+    requires_grad = _inputs_require_grad(node)
+    if node.op == "call_module":
+        name, rule = f"module {node.target}", None
+    else:
+        name, rule = rule_for(node)
+    if rule is None:
+        # An op without a rule may run only when every tensor it sees is Replicate.
+        bad = [(a, ti) for a, ti in tensors if not is_replicate(ti.layout)]
+        if bad:
+            raise ctx.fail(f"fxshard has no layout rule for this op and it receives non-replicated inputs",
+                           "make its inputs Replicate in the plan, move it inside a local region (ModuleSpec(local=True)), "
+                           "or file an issue for a rule")
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            meta.value = _wrap(node, {a: Replicate() for a in axes}, axes, requires_grad)
+        elif isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val) and val:
+            meta.value = _wrap(node, [{a: Replicate() for a in axes} for _ in val], axes, requires_grad)
+        elif isinstance(val, (int, torch.SymInt)):
+            meta.value = SizeInfo(val, frozenset())
+        meta.rule = "replicated (no rule)"
+        return
+    meta.rule = name
+    meta.value = _wrap(node, rule(ctx), axes, requires_grad)
+
+
+def _enter(node: fx.Node, axes):
+    """region_input: the plan's required layout replaces the incoming one."""
+    meta = info(node)
+    src = info(node.args[0]).value
+    b = meta.declared
+    if not isinstance(src, TensorInfo):
+        meta.value = src
+        return
+    nd = len(src.shape)
+    where = f"input {b.name!r} of module {b.fqn!r}" if b else ""
+    if b is not None and b.expected is not None:
+        expected = normalize(b.expected, nd, where)
+        if expected != src.layout:
+            raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
+                             f"declare inputs={_suggest(src.layout)} in that preset (the module then redistributes it), "
+                             f"or change the producer's output layout", PlacementMismatchError)
+    dst = normalize(b.required, nd, where) if b is not None and b.required is not None else src.layout
+    _check_transition(node, src.layout, dst, where)
+    meta.value = _wrap(node, dst, axes, src.requires_grad)
+    meta.rule = "plan boundary (input)"
+    if dst != src.layout:
+        meta.redistribute = (src.layout, dst)
+
+
+def _exit(node: fx.Node, axes):
+    """region_output: check out_src, then redistribute to out_dst."""
+    meta = info(node)
+    src = info(node.args[0]).value
+    b = meta.declared
+    if not isinstance(src, TensorInfo):
+        meta.value = src
+        return
+    nd = len(src.shape)
+    where = f"output {b.name!r} of module {b.fqn!r}" if b else ""
+    if b is not None and b.src is not None:
+        declared = normalize(b.src, nd, where)
+        if declared != src.layout:
+            raise node_error(node, f"{where}: the plan declares out_src {fmt_layout(declared)} but propagation derived {fmt_layout(src.layout)}",
+                             f"declare out_src={_suggest(src.layout)} or change the module's parameter/input layouts", PlacementMismatchError)
+    dst = normalize(b.dst, nd, where) if b is not None and b.dst is not None else src.layout
+    _check_transition(node, src.layout, dst, where)
+    meta.value = _wrap(node, dst, axes, src.requires_grad)
+    meta.rule = "plan boundary (output)"
+    if dst != src.layout:
+        meta.redistribute = (src.layout, dst)
+
+
+def _check_transition(node, src, dst, where):
+    for axis in src:
+        s, d = src[axis], dst[axis]
+        if s == d:
+            continue
+        if isinstance(d, Partial):
+            raise node_error(node, f"{where}: the plan asks to turn {s} into Partial on axis {axis!r}",
+                             "Partial is produced by ops (a row-parallel linear), never by redistribution; declare Replicate or Shard")
+        if isinstance(s, Partial) and s.reduce_op != "sum":
+            raise node_error(node, f"{where}: reducing a Partial({s.reduce_op}) value on axis {axis!r} is not supported",
+                             "reduce it where it is produced, or return it as is")
+
+
+def _suggest(layout) -> str:
+    return "{" + ", ".join(f"{a!r}: {p!r}" for a, p in layout.items() if not isinstance(p, Replicate)) + "}"

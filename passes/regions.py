@@ -1,0 +1,177 @@
+"""regions: attach the plan to the graph.
+
+Maps every plan pattern to module FQNs through ``nn_module_stack``, checks the plan
+against the model (patterns that match nothing, parameters the module lacks, tied
+parameters with conflicting layouts, graph inputs that do not exist) and records on
+each node what the plan says about it, so that later passes never read the plan.
+
+Reads:  ``nn_module_stack``; boundary markers; the plan.
+Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every node;
+        ``.declared`` = complete layout on ``get_attr`` and ``placeholder`` nodes,
+        :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement
+
+from fxshard.boundary import region_input, region_output
+from fxshard.errors import PlanError
+from fxshard.layout import complete
+from fxshard.meta import Boundary, info
+from fxshard.plan import _for_module_type, _is_layout
+
+
+def module_types(gm: fx.GraphModule) -> dict[str, type]:
+    """``{fqn: module type}`` for every module the graph was traced through or calls."""
+    types: dict[str, type] = {}
+    for node in gm.graph.nodes:
+        for qualname, mtype in (node.meta.get("nn_module_stack") or {}).values():
+            if isinstance(mtype, type):
+                types.setdefault(qualname, mtype)
+    for name, mod in gm.named_modules():
+        if name and type(mod) is not torch.nn.Module:  # plain Modules are fx's path holders
+            types.setdefault(name, type(mod))
+    for node in gm.graph.nodes:  # functional calls: fqn of the parameter owner
+        if node.op == "get_attr" and "." in node.target:
+            types.setdefault(node.target.rsplit(".", 1)[0], torch.nn.Module)
+    return types
+
+
+def _pick(value, name: str, position: int | None, first: bool):
+    """Select the entry of a spec field (``inputs``/``out_src``...) for one argument."""
+    if value is None:
+        return None
+    if isinstance(value, Placement) or _is_layout(value):
+        return value if first else None
+    if isinstance(value, Mapping):
+        return value.get(name)
+    if isinstance(value, (tuple, list)):
+        return value[position] if position is not None and position < len(value) else None
+    return None
+
+
+def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    """Attach plan declarations and regions to ``node.meta`` (in place)."""
+    types = module_types(gm)
+    plan.check_patterns(sorted(types))
+    specs = {}
+    for fqn, mtype in types.items():
+        hit = plan.match(fqn)
+        if hit:
+            specs[fqn] = (hit[0], _for_module_type(hit[1], mtype))
+    axes = plan.axes
+
+    # parameters and buffers --------------------------------------------------------
+    declared_params: dict[str, dict] = {}
+    for fqn, (pattern, spec) in specs.items():
+        for pname, layout in spec.params.items():
+            full = f"{fqn}.{pname}"
+            if not _has_attr(gm, full):
+                if pname in spec.optional_params:
+                    continue
+                owned = sorted(n for n in _attr_names(gm, fqn))
+                raise PlanError(f"plan entry {pattern!r}: module {fqn!r} has no parameter or buffer {pname!r} "
+                                f"(it has {owned}); fix the name in params=")
+            declared_params[full] = complete(layout, axes, f"plan entry {pattern!r} params[{pname!r}]")
+    _check_tied(gm, declared_params)
+
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    for name in plan.inputs:
+        if name not in placeholders:
+            raise PlanError(f"Plan inputs names {name!r}, but the graph inputs are {placeholders}; fix the name in inputs=")
+
+    for node in gm.graph.nodes:
+        meta = info(node)
+        meta.region = _innermost_planned(node, specs)
+        if node.op == "get_attr":
+            meta.declared = declared_params.get(node.target, complete(None, axes))
+        elif node.op == "placeholder":
+            meta.declared = plan.inputs.get(node.target, complete(None, axes))
+        elif node.op == "call_function" and node.target in (region_input, region_output):
+            _, fqn, name = node.args
+            meta.region = fqn
+            if fqn in specs:
+                meta.declared = _boundary(node, fqn, name, specs[fqn], types.get(fqn), axes)
+    return gm
+
+
+def _boundary(node, fqn, name, pattern_spec, mtype, axes) -> Boundary:
+    pattern, spec = pattern_spec
+    where = f"plan entry {pattern!r} (module {fqn!r})"
+    if node.target is region_input:
+        params = _forward_params(mtype)
+        position = params.index(name) if name in params else None
+        first = position == 0 or (position is None and params == [])
+        lay = lambda v, what: None if v is None else complete(v, axes, f"{where} {what}[{name!r}]")
+        return Boundary(fqn, name, "input",
+                        required=lay(_pick(spec.inputs, name, position, first), "inputs"),
+                        expected=lay(_pick(spec.in_src, name, position, first), "in_src"))
+    position = int(name) if name.isdigit() else (spec.out_names.index(name) if spec.out_names and name in spec.out_names else 0)
+    first = position == 0
+    lay = lambda v, what: None if v is None else complete(v, axes, f"{where} {what}[{name!r}]")
+    return Boundary(fqn, name, "output",
+                    src=lay(_pick(spec.out_src, name, position, first), "out_src"),
+                    dst=lay(_pick(spec.out_dst, name, position, first), "out_dst"))
+
+
+def _forward_params(mtype) -> list[str]:
+    if mtype is None:
+        return []
+    try:
+        params = list(inspect.signature(mtype.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+    return params[1:] if params and params[0] == "self" else params
+
+
+def _innermost_planned(node: fx.Node, specs) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for qualname, _ in reversed(list(stack.values())):
+        if qualname in specs:
+            return qualname
+    if node.op == "get_attr" and "." in node.target:
+        owner = node.target.rsplit(".", 1)[0]
+        while owner:
+            if owner in specs:
+                return owner
+            owner = owner.rsplit(".", 1)[0] if "." in owner else ""
+    return None
+
+
+def _has_attr(gm, target: str) -> bool:
+    try:
+        obj = gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return isinstance(obj, torch.Tensor)
+    except AttributeError:
+        return False
+
+
+def _attr_names(gm, fqn: str):
+    try:
+        mod = gm.get_submodule(fqn)
+    except AttributeError:
+        return []
+    return [n for n, _ in mod.named_parameters()] + [n for n, _ in mod.named_buffers()]
+
+
+def _check_tied(gm, declared: dict[str, dict]) -> None:
+    """Tied parameters (one tensor under several FQNs) must get one layout."""
+    by_tensor: dict[int, list[str]] = {}
+    for fqn, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        by_tensor.setdefault(id(t), []).append(fqn)
+    for names in by_tensor.values():
+        if len(names) < 2:
+            continue
+        layouts = {n: declared.get(n) for n in names}
+        distinct = {repr(v) for v in layouts.values()}
+        if len(distinct) > 1:
+            desc = ", ".join(f"{n}: {v if v is not None else 'Replicate (not in plan)'}" for n, v in layouts.items())
+            raise PlanError(f"tied parameters {names} get different layouts ({desc}); give every name of a tied "
+                            f"parameter the same layout (e.g. shard the LM head like the embedding)")

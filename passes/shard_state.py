@@ -1,0 +1,78 @@
+"""shard_state: parameters and buffers become this rank's local shards.
+
+Each parameter or buffer with a non-replicated layout is replaced by its local slice
+under the same FQN (so ``state_dict`` keys do not change); tied parameters stay tied.
+The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
+(``{fqn: (layout, global_shape)}``), from which :func:`fxshard.full_state_dict`
+gathers a full checkpoint and :func:`fxshard.load_full_state_dict` slices one.
+
+Under simulated ranks (``LocalTensorMode``) the coordinate is per rank, so each
+parameter becomes a LocalTensor holding every rank's shard; replicated ones become
+per-rank copies, as every rank holds its own copy in a real run.
+
+Reads:  ``.value`` of ``get_attr`` nodes; the mesh coordinate.
+Writes: module attributes; ``gm.meta["fxshard_state"]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.tensor import Shard
+
+from fxshard.layout import is_replicate
+from fxshard.mesh import mesh_coordinate, mesh_shape
+from fxshard.meta import TensorInfo, info
+
+
+def local_slice(t: torch.Tensor, layout: dict, mesh) -> torch.Tensor:
+    """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first)."""
+    axes, coord = mesh_shape(mesh), mesh_coordinate(mesh)
+    lm = enabled_local_tensor_mode()
+    if lm is not None and not hasattr(t, "_local_tensors"):
+        t = lm.rank_map(lambda r, t=t: t.clone())  # per-rank copies, then per-rank slices
+    for axis, p in layout.items():
+        if isinstance(p, Shard):
+            n = t.shape[p.dim] // axes[axis]
+            t = t.narrow(p.dim, coord[axis] * n, n)
+    return t
+
+
+def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
+    """Replace sharded parameters/buffers by local shards (in place)."""
+    layouts: dict[str, tuple[dict, tuple[int, ...]]] = {}
+    for node in gm.graph.nodes:
+        v = info(node).value
+        if node.op == "get_attr" and isinstance(v, TensorInfo):
+            layouts[node.target] = (v.layout, v.shape)
+    lm = enabled_local_tensor_mode()
+    replaced: dict[int, torch.Tensor] = {}
+    names = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
+    names += [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
+    state = {}
+    for fqn, t, is_param in names:
+        layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
+        if layout is None:
+            layout = next((layouts[o][0] for o, t2, _ in names if t2 is t and o in layouts), None)
+        if layout is not None:
+            state[fqn] = (layout, shape)
+        if id(t) not in replaced:
+            if layout is not None and not is_replicate(layout):
+                local = local_slice(t.detach(), layout, mesh).clone()
+            elif lm is not None:
+                local = lm.rank_map(lambda r, t=t: t.detach().clone())
+            else:
+                replaced[id(t)] = t
+                continue
+            replaced[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if is_param else local
+        new = replaced[id(t)]
+        if new is not t:
+            owner, _, name = fqn.rpartition(".")
+            mod = gm.get_submodule(owner) if owner else gm
+            if is_param:
+                mod._parameters[name] = new
+            else:
+                mod._buffers[name] = new
+    gm.meta["fxshard_state"] = state
+    return gm

@@ -1,0 +1,86 @@
+"""vocab_parallel_embedding: lookups into a vocab-sharded (``Shard(0)``) embedding.
+
+Each rank holds rows ``[start, start + V/n)``.  Ids outside that range are masked,
+shifted, looked up and their rows zeroed, so the output is ``Partial``: summing it over
+the axis (the module's ``out`` boundary: all-reduce, or reduce-scatter for sequence
+parallel) gives exactly the single-device rows.  ``start`` is a non-persistent
+buffer ``<module>.vocab_start``, itself sharded ``Shard(0)`` over the axis, so the
+generated code is the same on every rank and ``state_dict`` keys do not change.
+``padding_idx`` keeps its meaning: the row is looked up, its gradient is dropped.
+
+Reads:  ``.rewrite == "vocab_parallel_embedding"``, ``.value``.
+Writes: the masked lookup nodes with ``.value``; the ``vocab_start`` buffer.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+from fxshard.errors import node_error
+from fxshard.layout import local_shape
+from fxshard.meta import TensorInfo, info
+
+
+def vocab_parallel_embedding(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
+    """Rewrite embeddings whose weight is vocab-sharded (in place)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if info(node).rewrite != "vocab_parallel_embedding":
+            continue
+        ids, weight = node.args[0], node.args[1]
+        w: TensorInfo = info(weight).value
+        id_info: TensorInfo = info(ids).value
+        vocab_axes = [a for a, p in w.layout.items() if p == Shard(0)]
+        if len(vocab_axes) != 1:
+            raise node_error(node, f"the embedding vocab is sharded on several axes {vocab_axes}", "shard the vocab on one axis")
+        (axis,) = vocab_axes
+        n = axes[axis]
+        v_local = w.local_shape[0]
+        padding_idx = node.kwargs.get("padding_idx")
+        owner = weight.target.rsplit(".", 1)[0] if "." in weight.target else ""
+        mod = gm.get_submodule(owner) if owner else gm
+        mod.register_buffer("vocab_start", torch.arange(n, dtype=torch.long) * v_local, persistent=False)
+        start_target = f"{owner}.vocab_start" if owner else "vocab_start"
+
+        def meta(new, layout, shape, lshape, dtype, grad=False, val=None):
+            m = info(new)
+            m.value, m.region, m.rule = TensorInfo(dict(layout), tuple(shape), tuple(lshape), dtype, grad), info(node).region, "vocab parallel"
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            new.meta["stack_trace"] = node.meta.get("stack_trace")
+            return new
+
+        with graph.inserting_before(node):
+            start = graph.get_attr(start_target)
+            start_layout = {a: (Shard(0) if a == axis else Replicate()) for a in axes}
+            meta(start, start_layout, (n,), local_shape((n,), start_layout, axes), torch.long)
+            shifted = meta(graph.call_function(operator.sub, (ids, start)), id_info.layout, id_info.shape, id_info.local_shape, id_info.dtype)
+            below = meta(graph.call_function(operator.lt, (shifted, 0)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
+            above = meta(graph.call_function(operator.ge, (shifted, v_local)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
+            outside = meta(graph.call_function(operator.or_, (below, above)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
+            local_ids = meta(graph.call_method("masked_fill", (shifted, outside, 0)), id_info.layout, id_info.shape, id_info.local_shape, id_info.dtype)
+        out: TensorInfo = info(node).value
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
+        node.args = (local_ids, weight)
+        node.kwargs = kwargs
+        with graph.inserting_after(node):
+            mask = meta(graph.call_method("unsqueeze", (outside, -1)), id_info.layout, id_info.shape + (1,), id_info.local_shape + (1,), torch.bool)
+        with graph.inserting_after(mask):
+            zeroed = meta(graph.call_method("masked_fill", (node, mask, 0.0)), out.layout, out.shape, out.local_shape, out.dtype, True)
+        last = zeroed
+        if padding_idx is not None:  # forward: the row as usual; backward: no gradient into it
+            with graph.inserting_after(zeroed):
+                is_pad = meta(graph.call_function(operator.eq, (ids, padding_idx)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
+            with graph.inserting_after(is_pad):
+                pad_mask = meta(graph.call_method("unsqueeze", (is_pad, -1)), id_info.layout, id_info.shape + (1,), id_info.local_shape + (1,), torch.bool)
+            with graph.inserting_after(pad_mask):
+                frozen = meta(graph.call_method("detach", (zeroed,)), out.layout, out.shape, out.local_shape, out.dtype)
+            with graph.inserting_after(frozen):
+                last = meta(graph.call_function(torch.where, (pad_mask, frozen, zeroed)), out.layout, out.shape, out.local_shape, out.dtype, True)
+        node.replace_all_uses_with(last, delete_user_cb=lambda u: u not in (zeroed,))
+        info(node).rewrite = None
+    graph.lint()
+    return gm

@@ -16,7 +16,7 @@ Example::
 from .errors import PlacementMismatchError, PlanError
 from .mesh import MeshSpec
 from .plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel, vocab_parallel
-from .runtime import bind_mesh, bound_mesh
+from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, reduce_scatter, shard
 from .trace import trace
 from .transform import transform
 from .dump import dump
@@ -26,4 +26,6 @@ __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
     "trace", "transform", "dump", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError",
+    # runtime collectives called by the generated code
+    "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync",
 ]

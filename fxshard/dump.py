@@ -5,8 +5,8 @@ Example::
     print(fxshard.dump(sharded))
     print(fxshard.dump(sharded, region="layers.0.*"))   # one layer
 
-Columns: node name, op, target, layout per mesh axis, local and global shape, region
-(innermost planned module) and source line.  Collective rows start with ``>>`` and
+Columns: node name, op, target, layout per mesh axis, local and global shape, module
+(innermost module FQN) and source line.  Collective rows start with ``>>`` and
 say what they do forward and backward.
 """
 from __future__ import annotations
@@ -61,10 +61,9 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> 
     rows = []
     for node in gm.graph.nodes:
         meta = node.meta.get(KEY)
-        reg = (meta.region if meta else None) or ""
-        if rx is not None:
-            if not any(rx.match(reg[: i]) or rx.match(reg) for i in [len(p) for p in _prefixes(reg)]):
-                continue
+        reg = module_path(node)
+        if rx is not None and not any(rx.match(p) for p in _prefixes(reg)):
+            continue
         coll = meta.collective if meta else None
         lay, local, glob, dtype = _cells(node, axes)
         target = target_name(node)
@@ -72,7 +71,7 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> 
             target = f"{target}  [fwd {coll.fwd} | bwd {coll.bwd}]"
         rows.append([(">> " if coll else "   ") + node.name, node.op, target, *lay, local, glob, dtype, reg,
                      _short_source(node) if source else ""])
-    header = ["   node", "op", "target", *axes, "local", "global", "dtype", "region", "source" if source else ""]
+    header = ["   node", "op", "target", *axes, "local", "global", "dtype", "module", "source" if source else ""]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     colls = [n for n in gm.graph.nodes if n.meta.get(KEY) and n.meta[KEY].collective]
     counts: dict[str, int] = {}
@@ -85,6 +84,20 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> 
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def module_path(node: fx.Node) -> str:
+    """FQN of the innermost module the node was traced in (boundary markers and the
+    nodes made from them keep their module's FQN)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        return list(stack.values())[-1][0]
+    meta = node.meta.get(KEY)
+    if meta is not None and meta.region:
+        return meta.region
+    if node.op == "get_attr" and "." in node.target:
+        return node.target.rsplit(".", 1)[0]
+    return ""
 
 
 def _prefixes(fqn: str):

@@ -5,6 +5,8 @@ layouts involved, per mesh axis) and *the fix* (the plan change that would work)
 """
 from __future__ import annotations
 
+import os
+
 import torch.fx as fx
 
 
@@ -15,6 +17,16 @@ class PlanError(ValueError):
 class PlacementMismatchError(PlanError):
     """A layout declared in the plan (``out_src`` / preset ``inputs``) differs from the
     layout that propagation derived for that value."""
+
+
+_PKG = os.path.dirname(os.path.abspath(__file__))
+_PASSES = os.path.join(os.path.dirname(_PKG), "passes")
+
+
+def _internal(path: str) -> bool:
+    """Frames of torch and of fxshard's own machinery (its model zoo is user code)."""
+    d = os.path.dirname(os.path.abspath(path))
+    return "/torch/" in path or d in (_PASSES, os.path.join(_PKG, "passes")) or (d == _PKG and not path.endswith("models.py"))
 
 
 def source_line(node: fx.Node) -> str | None:
@@ -32,7 +44,7 @@ def source_line(node: fx.Node) -> str | None:
             lineno = lines[i].split("line ")[1].split(",")[0]
         except IndexError:
             continue
-        if any(part in path for part in ("/torch/", "/fxshard/", "/passes/")):
+        if _internal(path):
             continue
         code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
         return f"{path}:{lineno}  `{code}`" if code else f"{path}:{lineno}"

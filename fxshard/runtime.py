@@ -373,3 +373,9 @@ torch.fx.wrap("all_gather")
 torch.fx.wrap("shard")
 torch.fx.wrap("all_to_all")
 torch.fx.wrap("grad_sync")
+
+# Generated code names these ops by their qualified name: ``fxshard.all_reduce`` reads
+# as ``fxshard_all_reduce(x, 'tp')`` in ``gm.code`` (the package re-exports them).
+for _op in (all_reduce, reduce_scatter, all_gather, shard, all_to_all, grad_sync):
+    _op.__module__ = "fxshard"
+del _op

@@ -5,10 +5,7 @@ import pytest
 import torch
 import torch.fx
 
-try:
-    from tests import models as M
-except ImportError:  # pragma: no cover - run from inside tests/
-    import models as M
+from fxshard import models as M
 
 SHAPES = [(2, 8), (3, 5)]
 

@@ -1,4 +1,4 @@
-"""Small but real transformer families used by fxshard's tests.
+"""Small but real transformer families: the demo, the tests and the benchmarks use them.
 
 Every model here:
 
@@ -494,3 +494,19 @@ class WithLoss(nn.Module):
         return F.cross_entropy(
             logits.view(-1, self.vocab_size), targets.view(-1), reduction=self.reduction
         )
+
+
+# --------------------------------------------------------------------------- plans
+# Plans are plain data: {fqn pattern: ModuleSpec}.  Wrap them in fxshard.Plan(mesh, ...).
+
+
+def llama_plan(axis: str = "tp", *, fused: bool = False) -> dict:
+    """Megatron tensor parallelism for :class:`Llama`: q/k/v and w1/w3 column-parallel,
+    o and w2 row-parallel (2 all-reduces forward and 2 backward per layer)."""
+    from fxshard.plan import colwise, rowwise
+
+    attn = {"layers.*.attention.wqkv": colwise(axis)} if fused else {
+        f"layers.*.attention.{w}": colwise(axis) for w in ("wq", "wk", "wv")}
+    ffn = {"layers.*.feed_forward.w13": colwise(axis)} if fused else {
+        f"layers.*.feed_forward.{w}": colwise(axis) for w in ("w1", "w3")}
+    return {**attn, "layers.*.attention.wo": rowwise(axis), **ffn, "layers.*.feed_forward.w2": rowwise(axis)}

@@ -1,0 +1,28 @@
+"""``python -m fxshard``: the demo (main job) and the command-line tools.
+
+    python -m fxshard demo            # 2 gloo ranks on CPU: dump one layer, train, compare
+    torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fxshard", description="tensor/expert parallelism as torch.fx passes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small Llama on 2 ranks and compare with one device")
+    demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn on CPU (ignored under torchrun)")
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--layer", default="layers.0", help="module whose dump is printed")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -328,21 +328,28 @@ def reduction(kind: str):
     return rule
 
 
-def softmax(ctx: Ctx):
-    x = ctx.t(0)
-    nd = len(x.shape)
-    d = ctx.arg(1, "dim")
-    d = d + nd if d < 0 else d
+def softmax(log: bool):
+    def rule(ctx: Ctx):
+        x = ctx.t(0)
+        nd = len(x.shape)
+        d = ctx.arg(1, "dim")
+        d = d + nd if d < 0 else d
 
-    def one(axis):
-        p = x.layout[axis]
-        if isinstance(p, Partial):
-            raise ctx.fail(f"softmax of a Partial value on axis {axis!r}", reduce_fix(axis))
-        if isinstance(p, Shard) and p.dim == d:
-            raise ctx.fail(f"softmax over dim {d}, which is sharded on {axis!r}", "keep the softmax dim Replicate (for the vocab dim of a loss, use loss parallel)")
-        return p
+        def one(axis):
+            p = x.layout[axis]
+            if isinstance(p, Partial):
+                raise ctx.fail(f"softmax of a Partial value on axis {axis!r}", reduce_fix(axis))
+            if isinstance(p, Shard) and p.dim == d:
+                if log:  # loss parallel: a global log-sum-exp, the result stays sharded
+                    ctx.node.meta[KEY].rewrite = "loss_parallel"
+                    return p
+                raise ctx.fail(f"softmax over dim {d}, which is sharded on {axis!r}",
+                               "keep the softmax dim Replicate (for the vocab dim of a loss, use log_softmax or cross_entropy: loss parallel)")
+            return p
 
-    return _layout_map(ctx, one)
+        return _layout_map(ctx, one)
+
+    return rule
 
 
 def norm(weight_positions: tuple[int, ...]):
@@ -401,19 +408,25 @@ def embedding(ctx: Ctx):
 
 
 def cross_entropy(ctx: Ctx):
+    """cross_entropy / nll_loss.  Logits sharded on the class dim -> loss parallel
+    (rewritten by the ``loss_parallel`` pass); sharded on a batch dim -> Partial for
+    sum/mean (each rank's loss covers its tokens)."""
     x, target = ctx.t(0, "input"), ctx.t(1, "target")
-    reduction_ = ctx.node.kwargs.get("reduction", ctx.arg(7) if len(ctx.node.args) > 7 else "mean")
+    reduction_ = ctx.node.kwargs.get("reduction", "mean")
     class_dim = 1 if len(x.shape) > 1 else 0
+    weight = ctx.arg(2, "weight")
 
     def one(axis):
         px, pt = x.layout[axis], target.layout[axis]
         if isinstance(px, Partial):
             raise ctx.fail(f"cross-entropy of Partial logits on axis {axis!r}", reduce_fix(axis))
         if isinstance(px, Shard) and px.dim == class_dim:
-            ctx.node.meta[KEY].rewrite = "loss_parallel"
+            if weight is not None:
+                raise ctx.fail("class weights are not supported with vocab-sharded logits", "drop weight= or gather the logits (out=Replicate())")
             if not isinstance(pt, Replicate):
-                raise ctx.fail("vocab-parallel cross-entropy needs Replicate targets", "keep targets Replicate on the vocab axis")
-            return R if reduction_ != "none" else R
+                raise ctx.fail(f"vocab-parallel cross-entropy needs Replicate targets on {axis!r}", "keep targets Replicate on the vocab axis")
+            ctx.node.meta[KEY].rewrite = "loss_parallel"
+            return R
         if isinstance(px, Shard):
             td = px.dim if px.dim < class_dim else px.dim - 1
             if pt != Shard(td):
@@ -658,7 +671,7 @@ RULES: dict[Any, Callable] = {
     torch.sigmoid: _nonlin, torch.sin: _nonlin, torch.cos: _nonlin, torch.pow: _nonlin, torch.where: _nonlin,
     torch.abs: _nonlin, torch.clamp: _nonlin, torch.square: _nonlin, torch.polar: _nonlin, torch.outer: _nonlin,
     torch.matmul: matmul, torch.bmm: matmul,
-    torch.softmax: softmax, F.softmax: softmax, F.log_softmax: softmax, torch.log_softmax: softmax,
+    torch.softmax: softmax(False), F.softmax: softmax(False), F.log_softmax: softmax(True), torch.log_softmax: softmax(True),
     F.silu: _nonlin, F.gelu: _nonlin, F.relu: _nonlin, torch.relu: _nonlin, F.tanh: _nonlin, F.sigmoid: _nonlin,
     F.dropout: _unary, F.linear: linear, F.embedding: embedding,
     F.layer_norm: norm((2, 3)), F.rms_norm: norm((2,)), F.scaled_dot_product_attention: sdpa,
@@ -679,7 +692,7 @@ METHOD_RULES: dict[str, Callable] = {
     "pow": _nonlin, "rsqrt": _nonlin, "sqrt": _nonlin, "exp": _nonlin, "log": _nonlin, "tanh": _nonlin,
     "sigmoid": _nonlin, "relu": _nonlin, "abs": _nonlin, "sin": _nonlin, "cos": _nonlin, "masked_fill": _nonlin,
     "square": _nonlin, "clamp": _nonlin,
-    "softmax": softmax, "log_softmax": softmax, "matmul": matmul,
+    "softmax": softmax(False), "log_softmax": softmax(True), "matmul": matmul,
     "view": reshape_like, "reshape": reshape_like, "flatten": reshape_like, "unflatten": reshape_like,
     "squeeze": reshape_like, "unsqueeze": reshape_like, "view_as": reshape_like, "reshape_as": reshape_like,
     "transpose": permute_like("transpose"), "permute": permute_like("permute"), "t": permute_like("t"),

@@ -184,7 +184,21 @@ def _raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
 
 def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     n = x.size(dim) // ax.size
+    lm = enabled_local_tensor_mode()
+    if lm is not None and not hasattr(x, "_local_tensors"):
+        x = lm.rank_map(lambda r: x.clone())  # a plain tensor is the same on every simulated rank
     return x.narrow(dim, _local_index(ax) * n, n).contiguous()
+
+
+def local_offset(axis: str, block: int, like: torch.Tensor):
+    """``index_on_axis * block`` for this rank: an int, or under simulated ranks a
+    per-rank tensor (SymInt arithmetic with plain tensors is not simulated)."""
+    ax = _axis(axis)
+    lm = enabled_local_tensor_mode()
+    if lm is None:
+        return _local_index(ax) * block
+    ints = bound_mesh().get_local_rank(axis).node._local_ints
+    return lm.rank_map(lambda r: torch.tensor(ints[r] * block, dtype=like.dtype, device=like.device))
 
 
 def _raw_all_to_all(x: torch.Tensor, src: int, dst: int, ax: _Axis) -> torch.Tensor:

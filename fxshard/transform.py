@@ -20,6 +20,7 @@ from .passes.propagate import propagate
 from .passes.localize import localize
 from .passes.defer_bias import defer_bias
 from .passes.vocab_parallel_embedding import vocab_parallel_embedding
+from .passes.loss_parallel import loss_parallel
 from .passes.redistribute import redistribute
 from .passes.grad_sync import grad_sync
 from .passes.shard_state import shard_state
@@ -51,6 +52,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         localize(gm, axes)
         defer_bias(gm)
         vocab_parallel_embedding(gm, axes)
+        loss_parallel(gm)
         redistribute(gm, axes)
         grad_sync(gm)
     runtime.bind_mesh(plan.mesh)

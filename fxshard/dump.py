@@ -7,7 +7,9 @@ Example::
 
 Columns: node name, op, target, layout per mesh axis, local and global shape, module
 (innermost module FQN) and source line.  Collective rows start with ``>>`` and
-say what they do forward and backward.
+say what they do forward and backward.  The header counts the collectives and, for a
+graph that communicates, the calls and bytes of one step forward and backward
+(:func:`fxshard.comm_summary`).
 """
 from __future__ import annotations
 
@@ -81,7 +83,12 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> 
     mesh = " ".join(f"{a}={s}" for a, s in (gm.meta.get("fxshard_mesh") or {}).items())
     title = f"fxshard dump of {type(gm).__name__ if not hasattr(gm, '_get_name') else gm._get_name()}  mesh: {mesh or '?'}  " \
             f"nodes: {len(rows)}  collectives: {len(colls)}" + (f" ({', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))})" if counts else "")
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines = [title]
+    if colls:  # totals of the whole graph, forward and backward (fxshard.comm_summary has the rows)
+        from .comm import comm_summary  # comm imports this module
+
+        lines.append(f"communication per step: {comm_summary(gm).headline()}")
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
 

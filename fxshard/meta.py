@@ -15,7 +15,8 @@ field              meaning                                             written b
 =================  ==================================================  =============
 
 ``declared`` is a complete layout on ``get_attr`` and ``placeholder`` nodes, and a
-:class:`Boundary` on ``region_input`` / ``region_output`` markers.
+:class:`Boundary` on ``region_input`` / ``region_output`` markers.  ``extra["splits"]``
+on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``).
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).
@@ -33,13 +34,19 @@ KEY = "fxshard"
 
 @dataclass
 class TensorInfo:
-    """A tensor value: layout per mesh axis, global and local shape."""
+    """A tensor value: layout per mesh axis, global and local shape.
+
+    ``blocks``: for the output of a fused projection (``colwise(splits=...)``), the
+    global sizes of the parts its sharded dim is made of; each rank holds its slice of
+    every part, so a ``split`` into exactly these parts is legal.
+    """
 
     layout: dict
     shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    blocks: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -58,7 +65,11 @@ class SizeInfo:
 
 @dataclass
 class Boundary:
-    """A module boundary declared by the plan, attached to a marker node."""
+    """A module boundary declared by the plan, attached to a marker node.
+
+    Its layouts hold only the axes the plan names; on the other axes the value keeps
+    the layout it arrives with.
+    """
 
     fqn: str
     name: str  # argument name (inputs) or output name

@@ -500,13 +500,49 @@ class WithLoss(nn.Module):
 # Plans are plain data: {fqn pattern: ModuleSpec}.  Wrap them in fxshard.Plan(mesh, ...).
 
 
-def llama_plan(axis: str = "tp", *, fused: bool = False) -> dict:
-    """Megatron tensor parallelism for :class:`Llama`: q/k/v and w1/w3 column-parallel,
-    o and w2 row-parallel (2 all-reduces forward and 2 backward per layer)."""
-    from fxshard.plan import colwise, rowwise
+def _gather_input(axis: str, arg: str = "x"):
+    """A module whose ``arg`` arrives sequence-sharded and is all-gathered once on entry
+    (torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``)."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    attn = {"layers.*.attention.wqkv": colwise(axis)} if fused else {
-        f"layers.*.attention.{w}": colwise(axis) for w in ("wq", "wk", "wv")}
-    ffn = {"layers.*.feed_forward.w13": colwise(axis)} if fused else {
-        f"layers.*.feed_forward.{w}": colwise(axis) for w in ("w1", "w3")}
-    return {**attn, "layers.*.attention.wo": rowwise(axis), **ffn, "layers.*.feed_forward.w2": rowwise(axis)}
+    from fxshard.plan import ModuleSpec
+
+    return ModuleSpec(inputs={arg: {axis: Replicate()}}, in_src={arg: {axis: Shard(1)}}, style="prepare_input")
+
+
+def llama_plan(axis: str = "tp", *, fused: bool = False, sequence_parallel: bool = False,
+               loss_parallel: bool = False, args: LlamaArgs | None = None) -> dict:
+    """Megatron tensor parallelism for :class:`Llama`: q/k/v and w1/w3 column-parallel,
+    o and w2 row-parallel (2 all-reduces forward and 2 backward per layer).
+
+    ``sequence_parallel``: norms run on sequence shards; each attention/MLP block
+    all-gathers its input once and its row-parallel output reduce-scatters (2
+    all-gathers + 2 reduce-scatters per layer); the embedding is vocab-parallel with a
+    reduce-scatter.  ``loss_parallel``: the LM head keeps its output vocab-sharded for
+    a loss-parallel cross-entropy.  ``fused`` (with ``args``) shards ``wqkv``/``w13``
+    part by part.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fxshard.plan import colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if fused:
+        a = args or LlamaArgs()
+        hd = a.dim // a.n_heads
+        attn = {"layers.*.attention.wqkv": colwise(axis, splits=[a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd])}
+        ffn = {"layers.*.feed_forward.w13": colwise(axis, splits=[a.ffn_hidden, a.ffn_hidden])}
+    else:
+        attn = {f"layers.*.attention.{w}": colwise(axis) for w in ("wq", "wk", "wv")}
+        ffn = {f"layers.*.feed_forward.{w}": colwise(axis) for w in ("w1", "w3")}
+    plan = {**attn, "layers.*.attention.wo": rowwise(axis, out=seq),
+            **ffn, "layers.*.feed_forward.w2": rowwise(axis, out=seq)}
+    if sequence_parallel:
+        plan.update({
+            "tok_embeddings": vocab_parallel(axis, out=Shard(1)),
+            "layers.*.attention_norm": seq_norm(axis), "layers.*.ffn_norm": seq_norm(axis), "norm": seq_norm(axis),
+            "layers.*.attention": _gather_input(axis), "layers.*.feed_forward": _gather_input(axis),
+        })
+    if sequence_parallel or loss_parallel:
+        plan["output"] = colwise(axis, inputs=seq, out=Shard(-1) if loss_parallel else Replicate())
+    return plan

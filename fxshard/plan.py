@@ -42,6 +42,8 @@ class ModuleSpec:
       out_names: names of tuple outputs; ``out_src``/``out_dst`` may then be dicts by name.
       local / compute: opaque region run on local tensors (expert parallelism).
       optional_params: names in ``params`` that a module may lack (a Linear without bias).
+      splits:   sizes of the parts a fused weight's sharded dim is made of (``[q, k, v]``);
+                each part is sharded on its own, so every rank holds its slice of every part.
       style:    name of the preset that built the spec (for printing).
 
     Example::
@@ -59,10 +61,13 @@ class ModuleSpec:
     local: bool = False
     compute: Callable | None = None
     optional_params: tuple[str, ...] = ()
+    splits: tuple[int, ...] | None = None
     style: str | None = None
 
     def __post_init__(self):
         self.params = dict(self.params or {})
+        if self.splits is not None:
+            self.splits = tuple(int(s) for s in self.splits)
         if self.out_names is not None:
             self.out_names = tuple(self.out_names)
 
@@ -81,6 +86,8 @@ class ModuleSpec:
                 parts.append(f"{name}={_fmt(v)}")
         if self.out_names:
             parts.append(f"out_names={self.out_names}")
+        if self.splits:
+            parts.append(f"splits={list(self.splits)}")
         if self.local:
             parts.append("local=True")
         if self.compute is not None:
@@ -99,15 +106,20 @@ def _fmt(v) -> str:
 # ----------------------------------------------------------------------------- presets
 
 
-def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement = Shard(-1)) -> ModuleSpec:
+def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement = Shard(-1),
+            splits: list[int] | None = None) -> ModuleSpec:
     """Column-parallel ``nn.Linear``: weight and bias ``Shard(0)``, output ``Shard(-1)``.
 
     ``inputs`` is the layout the input arrives in (``Shard(1)`` under sequence
     parallelism: it is all-gathered on entry, the backward reduce-scatters); the linear
     itself needs a replicated input.  ``out`` is the layout on exit. On an
     ``nn.Embedding`` the weight is sharded on the embedding dim instead (``Shard(1)``).
+    ``splits``: for a fused projection, the sizes of its parts (``[q, k, v]`` for a
+    ``wqkv``, ``[ffn, ffn]`` for a ``w13``); each part is sharded separately and the
+    ``split``/``chunk`` that follows in the graph is localized.
 
-    Example: ``{"layers.*.attention.wq": colwise()}``
+    Example: ``{"layers.*.attention.wq": colwise()}``,
+    ``{"layers.*.attention.wqkv": colwise(splits=[512, 128, 128])}``
     """
     return ModuleSpec(
         params={"weight": {axis: Shard(0)}, "bias": {axis: Shard(0)}},
@@ -116,6 +128,7 @@ def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement
         out_src={axis: Shard(-1)},
         out_dst={axis: out},
         optional_params=("bias",),
+        splits=splits,
         style="colwise",
     )
 

@@ -525,19 +525,22 @@ def repeat_interleave(ctx: Ctx):
 
 
 def split(ctx: Ctx):
+    """split/chunk.  Splitting a sharded dim is legal only into the parts of a fused
+    projection (``colwise(splits=...)``), whose every part each rank holds a slice of."""
     x = ctx.t(0)
     nd = len(x.shape)
     dim = ctx.arg(2, "dim", 0)
     dim = dim + nd if dim < 0 else dim
+    how = ctx.arg(1)
     for axis, p in x.layout.items():
         if isinstance(p, Shard) and p.dim == dim:
-            src = ctx.arg(0).name
-            meta = ctx.node.meta[KEY]
-            if meta.extra.get("fused_split"):
-                break
-            raise ctx.fail(f"split/chunk along dim {dim}, which is sharded on {axis!r}: each rank holds a slice of every piece only if "
-                           f"the producing weight was sharded part by part",
-                           f"shard the fused weight part by part: colwise({axis!r}, splits=[...]) on the module that produces `{src}`")
+            pieces = [v.shape[dim] for v in ctx.val]
+            if x.blocks is None or tuple(pieces) != tuple(x.blocks):
+                src = ctx.arg(0).name
+                parts = f" (its parts are {list(x.blocks)})" if x.blocks else ""
+                raise ctx.fail(f"split along dim {dim}, which is sharded on {axis!r}, into pieces {pieces}{parts}: each rank holds "
+                               f"a slice of every piece only if the producing weight was sharded part by part",
+                               f"shard the fused weight part by part: colwise({axis!r}, splits={pieces}) on the module that produces `{src}`")
     return [dict(x.layout) for _ in ctx.val]
 
 

@@ -26,6 +26,7 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """Gather every sharded tensor over its mesh axes; returns the single-device
     ``state_dict`` (same keys).  A collective: call it on every rank."""
     layouts = _layouts(gm)
+    blocks = gm.meta.get("fxshard_blocks", {})
     out = {}
     for fqn, t in gm.state_dict().items():
         layout, shape = layouts.get(fqn, (None, None))
@@ -33,7 +34,13 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         if layout is not None:
             for axis, p in reversed(list(layout.items())):  # innermost axis first
                 if isinstance(p, Shard):
-                    t = runtime.all_gather(t, axis, p.dim)
+                    parts = blocks.get(fqn)
+                    if parts:  # gather each part of a fused parameter on its own
+                        n = runtime.axis_size(axis)
+                        local = t.split([s // n for s in parts], p.dim)
+                        t = torch.cat([runtime.all_gather(x, axis, p.dim) for x in local], p.dim)
+                    else:
+                        t = runtime.all_gather(t, axis, p.dim)
         out[fqn] = t.clone()
     return out
 
@@ -55,4 +62,4 @@ def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor]
             layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
             if tuple(full.shape) != tuple(shape):
                 raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, expected the global shape {tuple(shape)}")
-            t.copy_(local_slice(full, layout, mesh) if layout is not None else full)
+            t.copy_(local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn)) if layout is not None else full)

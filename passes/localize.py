@@ -7,7 +7,8 @@ dim sharded the same way as the dim they size; ``-1`` is left to infer.
 
 Reads:  ``.value`` (TensorInfo of results, SizeInfo of runtime sizes).
 Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
-        ``new_*`` nodes; no metadata.
+        ``new_*`` nodes and of ``split`` along a fused projection's sharded dim;
+        no metadata.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def _sizes_slot(node: fx.Node):
 def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     """Rewrite literal global sizes of sharded dims to local sizes (in place)."""
     for node in gm.graph.nodes:
+        if node.target == "split" or node.target is torch.split:
+            _split(node, axes)
+            continue
         out = info(node).value
         if not isinstance(out, TensorInfo):
             continue
@@ -96,3 +100,20 @@ def _unflatten(node, out: TensorInfo, axes):
         args = list(node.args)
         args[2] = tuple(new)
         node.args = tuple(args)
+
+
+def _split(node, axes):
+    """``split`` of a fused projection's output along its sharded dim: local part sizes."""
+    x = info(node.args[0]).value
+    if not isinstance(x, TensorInfo):
+        return
+    nd = len(x.shape)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    dim = dim % nd
+    sharded = _sharding(x, dim)
+    if not sharded:
+        return
+    k = math.prod(axes[a] for a in sharded)
+    sizes = node.args[1]
+    new = sizes // k if isinstance(sizes, int) else type(sizes)(s // k for s in sizes)
+    node.args = (node.args[0], new, *node.args[2:])

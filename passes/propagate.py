@@ -40,13 +40,51 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
                 node.meta.setdefault("val", attr)
                 meta.value = _tensor(node, meta.declared, axes, requires_grad=attr.requires_grad, what=f"parameter {node.target!r}")
                 meta.rule = "plan param" if not is_replicate(meta.declared) else "replicated param"
+                if "splits" in meta.extra:
+                    meta.value.blocks = _check_splits(node, meta.value, meta.extra["splits"], axes)
         elif node.target is region_input:
             _enter(node, axes)
         elif node.target is region_output:
             _exit(node, axes)
         else:
             _apply_rule(node, axes)
+        _flow_blocks(node)
     return gm
+
+
+def _check_splits(node, value: TensorInfo, splits, axes):
+    sharded = [(a, p.dim) for a, p in value.layout.items() if isinstance(p, Shard)]
+    if len(sharded) != 1:
+        raise node_error(node, f"splits={list(splits)} needs the parameter sharded on exactly one axis, got {fmt_layout(value.layout)}",
+                         "shard the fused parameter on one axis")
+    axis, dim = sharded[0]
+    if sum(splits) != value.shape[dim]:
+        raise node_error(node, f"splits={list(splits)} add up to {sum(splits)}, but dim {dim} of {node.target!r} has size {value.shape[dim]}",
+                         f"give the sizes of the fused parts, which add up to {value.shape[dim]}")
+    bad = [s for s in splits if s % axes[axis]]
+    if bad:
+        raise node_error(node, f"parts {bad} of splits={list(splits)} are not divisible by the size {axes[axis]} of axis {axis!r}",
+                         f"use a {axis!r} size that divides every part")
+    return tuple(splits)
+
+
+_BLOCK_PRESERVING = {"contiguous", "float", "to", "clone", "type_as", "half", "bfloat16"}
+
+
+def _flow_blocks(node: fx.Node) -> None:
+    """Carry the part sizes of a fused projection's output to the split that uses it."""
+    out = info(node).value
+    if not isinstance(out, TensorInfo):
+        return
+    if node.op == "call_function" and node.target is torch.nn.functional.linear:
+        w = info(node.args[1]).value
+        if w.blocks and any(p == Shard(0) for p in w.layout.values()):
+            out.blocks = w.blocks
+        return
+    preserving = node.target in (region_input, region_output) or (node.op == "call_method" and node.target in _BLOCK_PRESERVING)
+    src = info(node.args[0]).value if preserving and node.args and isinstance(node.args[0], fx.Node) else None
+    if isinstance(src, TensorInfo) and src.blocks and src.layout == out.layout and src.shape == out.shape:
+        out.blocks = src.blocks
 
 
 def _fetch(gm, target):
@@ -141,11 +179,11 @@ def _enter(node: fx.Node, axes):
     where = f"input {b.name!r} of module {b.fqn!r}" if b else ""
     if b is not None and b.expected is not None:
         expected = normalize(b.expected, nd, where)
-        if expected != src.layout:
+        if any(expected[a] != src.layout[a] for a in expected):  # axes the plan leaves out keep what arrives
             raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
                              f"declare inputs={_suggest(src.layout)} in that preset (the module then redistributes it), "
                              f"or change the producer's output layout", PlacementMismatchError)
-    dst = normalize(b.required, nd, where) if b is not None and b.required is not None else src.layout
+    dst = {**src.layout, **normalize(b.required, nd, where)} if b is not None and b.required is not None else src.layout
     _check_transition(node, src.layout, dst, where)
     meta.value = _wrap(node, dst, axes, src.requires_grad)
     meta.rule = "plan boundary (input)"
@@ -165,10 +203,10 @@ def _exit(node: fx.Node, axes):
     where = f"output {b.name!r} of module {b.fqn!r}" if b else ""
     if b is not None and b.src is not None:
         declared = normalize(b.src, nd, where)
-        if declared != src.layout:
+        if any(declared[a] != src.layout[a] for a in declared):
             raise node_error(node, f"{where}: the plan declares out_src {fmt_layout(declared)} but propagation derived {fmt_layout(src.layout)}",
                              f"declare out_src={_suggest(src.layout)} or change the module's parameter/input layouts", PlacementMismatchError)
-    dst = normalize(b.dst, nd, where) if b is not None and b.dst is not None else src.layout
+    dst = {**src.layout, **normalize(b.dst, nd, where)} if b is not None and b.dst is not None else src.layout
     _check_transition(node, src.layout, dst, where)
     meta.value = _wrap(node, dst, axes, src.requires_grad)
     meta.rule = "plan boundary (output)"

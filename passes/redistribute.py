@@ -3,7 +3,9 @@
 Each boundary marker with ``.redistribute = (src, dst)`` is replaced by one
 collective per mesh axis that changes (multi-axis changes are decomposed one axis at
 a time: reductions and gathers from the innermost axis out, then local slices, then
-all-to-alls).  Markers without a change simply disappear.  The collectives are
+all-to-alls).  The same change of the same value is emitted once (q, k and v
+declared ``colwise(inputs=Shard(1))`` share one all-gather).  Markers without a
+change simply disappear.  The collectives are
 fxshard's runtime ops, called with the axis *name*, so the code reads the same on
 every rank:
 
@@ -57,6 +59,7 @@ def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d):
 def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     """Replace boundary markers by collectives (in place)."""
     graph = gm.graph
+    emitted: dict[tuple, fx.Node] = {}  # one collective per (value, change): q/k/v share one all-gather
     for node in list(graph.nodes):
         if not is_marker(node):
             continue
@@ -68,6 +71,11 @@ def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
             layout = dict(src)
             _, fqn, name = node.args
             for axis, s, d in _steps(src, dst):
+                key = (x, axis, s, d)
+                if key in emitted:
+                    x = emitted[key]
+                    layout[axis] = d
+                    continue
                 with graph.inserting_before(node):
                     new, coll = _emit(graph, x, axis, s, d)
                 layout[axis] = d
@@ -78,7 +86,7 @@ def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
                 new.meta["val"] = node.meta.get("val")
                 new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
                 new.meta["stack_trace"] = node.meta.get("stack_trace")
-                x = new
+                emitted[key] = x = new
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     graph.lint()

@@ -8,7 +8,8 @@ each node what the plan says about it, so that later passes never read the plan.
 Reads:  ``nn_module_stack``; boundary markers; the plan.
 Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every node;
         ``.declared`` = complete layout on ``get_attr`` and ``placeholder`` nodes,
-        :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers.
+        :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers
+        (its layouts hold only the axes the plan names).
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
 
     # parameters and buffers --------------------------------------------------------
     declared_params: dict[str, dict] = {}
+    splits: dict[str, tuple[int, ...]] = {}
     for fqn, (pattern, spec) in specs.items():
         for pname, layout in spec.params.items():
             full = f"{fqn}.{pname}"
@@ -78,6 +80,8 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
                 raise PlanError(f"plan entry {pattern!r}: module {fqn!r} has no parameter or buffer {pname!r} "
                                 f"(it has {owned}); fix the name in params=")
             declared_params[full] = complete(layout, axes, f"plan entry {pattern!r} params[{pname!r}]")
+            if spec.splits:
+                splits[full] = spec.splits
     _check_tied(gm, declared_params)
 
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
@@ -90,6 +94,8 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
         meta.region = _innermost_planned(node, specs)
         if node.op == "get_attr":
             meta.declared = declared_params.get(node.target, complete(None, axes))
+            if node.target in splits:
+                meta.extra["splits"] = splits[node.target]
         elif node.op == "placeholder":
             meta.declared = plan.inputs.get(node.target, complete(None, axes))
         elif node.op == "call_function" and node.target in (region_input, region_output):
@@ -107,16 +113,25 @@ def _boundary(node, fqn, name, pattern_spec, mtype, axes) -> Boundary:
         params = _forward_params(mtype)
         position = params.index(name) if name in params else None
         first = position == 0 or (position is None and params == [])
-        lay = lambda v, what: None if v is None else complete(v, axes, f"{where} {what}[{name!r}]")
+        lay = lambda v, what: None if v is None else _named_axes(v, axes, f"{where} {what}[{name!r}]")
         return Boundary(fqn, name, "input",
                         required=lay(_pick(spec.inputs, name, position, first), "inputs"),
                         expected=lay(_pick(spec.in_src, name, position, first), "in_src"))
     position = int(name) if name.isdigit() else (spec.out_names.index(name) if spec.out_names and name in spec.out_names else 0)
     first = position == 0
-    lay = lambda v, what: None if v is None else complete(v, axes, f"{where} {what}[{name!r}]")
+    lay = lambda v, what: None if v is None else _named_axes(v, axes, f"{where} {what}[{name!r}]")
     return Boundary(fqn, name, "output",
                     src=lay(_pick(spec.out_src, name, position, first), "out_src"),
                     dst=lay(_pick(spec.out_dst, name, position, first), "out_dst"))
+
+
+def _named_axes(layout, axes, where: str) -> dict:
+    """Validate a boundary layout and keep only the axes it names: at a module
+    boundary an axis the plan leaves out keeps the layout that arrives (a ``"tp"``
+    preset on a dp x tp mesh leaves the batch sharding on ``"dp"`` alone)."""
+    full = complete(layout, axes, where)
+    named = set(axes) if isinstance(layout, Placement) else set(layout)
+    return {a: p for a, p in full.items() if a in named}
 
 
 def _forward_params(mtype) -> list[str]:

@@ -3,7 +3,8 @@
 Each parameter or buffer with a non-replicated layout is replaced by its local slice
 under the same FQN (so ``state_dict`` keys do not change); tied parameters stay tied.
 The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
-(``{fqn: (layout, global_shape)}``), from which :func:`fxshard.full_state_dict`
+(``{fqn: (layout, global_shape)}``; fused parameters' part sizes in
+``gm.meta["fxshard_blocks"]``), from which :func:`fxshard.full_state_dict`
 gathers a full checkpoint and :func:`fxshard.load_full_state_dict` slices one.
 
 Under simulated ranks (``LocalTensorMode``) the coordinate is per rank, so each
@@ -26,26 +27,35 @@ from fxshard.mesh import mesh_coordinate, mesh_shape
 from fxshard.meta import TensorInfo, info
 
 
-def local_slice(t: torch.Tensor, layout: dict, mesh) -> torch.Tensor:
-    """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first)."""
+def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
+    """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first).
+    With ``blocks`` (a fused parameter), each part of the sharded dim is sliced on its
+    own and the slices are concatenated."""
     axes, coord = mesh_shape(mesh), mesh_coordinate(mesh)
     lm = enabled_local_tensor_mode()
     if lm is not None and not hasattr(t, "_local_tensors"):
         t = lm.rank_map(lambda r, t=t: t.clone())  # per-rank copies, then per-rank slices
     for axis, p in layout.items():
         if isinstance(p, Shard):
-            n = t.shape[p.dim] // axes[axis]
-            t = t.narrow(p.dim, coord[axis] * n, n)
+            parts = t.split(list(blocks), p.dim) if blocks else (t,)
+            pieces = []
+            for part in parts:
+                n = part.shape[p.dim] // axes[axis]
+                pieces.append(part.narrow(p.dim, coord[axis] * n, n))
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.dim)
     return t
 
 
 def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     """Replace sharded parameters/buffers by local shards (in place)."""
     layouts: dict[str, tuple[dict, tuple[int, ...]]] = {}
+    blocks: dict[str, tuple[int, ...]] = {}
     for node in gm.graph.nodes:
         v = info(node).value
         if node.op == "get_attr" and isinstance(v, TensorInfo):
             layouts[node.target] = (v.layout, v.shape)
+            if v.blocks:
+                blocks[node.target] = v.blocks
     lm = enabled_local_tensor_mode()
     replaced: dict[int, torch.Tensor] = {}
     names = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
@@ -59,7 +69,7 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
             state[fqn] = (layout, shape)
         if id(t) not in replaced:
             if layout is not None and not is_replicate(layout):
-                local = local_slice(t.detach(), layout, mesh).clone()
+                local = local_slice(t.detach(), layout, mesh, blocks.get(fqn)).clone()
             elif lm is not None:
                 local = lm.rank_map(lambda r, t=t: t.detach().clone())
             else:
@@ -75,4 +85,5 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
             else:
                 mod._buffers[name] = new
     gm.meta["fxshard_state"] = state
+    gm.meta["fxshard_blocks"] = blocks
     return gm

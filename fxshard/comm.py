@@ -1,0 +1,327 @@
+"""Static communication summary: every collective a transformed graph runs, forward
+and backward, with its size for the example shapes.  No process group is needed.
+
+Example::
+
+    sharded = fxshard.transform(model, Plan(MeshSpec(("tp",), (2,)), llama_plan()), (ids,))
+    summary = fxshard.comm_summary(sharded)
+    print(summary)                                    # one row per collective + totals
+    summary.count("forward", "all_reduce")            # -> 4 for a 2-layer Llama
+    summary.nbytes("backward", axis="tp")             # bytes all-reduced by the grad syncs
+
+The rows come from the autograd table of :mod:`fxshard.runtime` (DESIGN.md section 4),
+read from ``node.meta["fxshard"].collective`` of each communication node:
+
+==================  =================  ==========================================
+fxshard op          forward            backward
+==================  =================  ==========================================
+``all_reduce``      all-reduce         --
+``reduce_scatter``  reduce-scatter     all-gather
+``all_gather``      all-gather         reduce-scatter if ``grad="partial"``, else --
+``shard``           --                 all-gather
+``all_to_all``      all-to-all         all-to-all
+``grad_sync``       --                 all-reduce
+==================  =================  ==========================================
+
+A backward collective is listed only when gradient flows through the node: its input
+depends on a parameter that requires grad (or on a floating-point graph input, with
+``inputs_require_grad=True``).  An op on an axis of size 1 communicates nothing.
+
+``bytes`` is the size of the larger buffer of the collective on one rank, as
+``nccl-tests`` counts it: the tensor of an all-reduce or all-to-all, the gathered
+output of an all-gather, the unscattered input of a reduce-scatter.  ``wire_bytes``
+is what one rank sends with ring algorithms (``2 (n-1)/n`` of that for an
+all-reduce, ``(n-1)/n`` for the others).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from .dump import _prefixes, module_path
+from .meta import KEY, TensorInfo
+from .plan import _pattern_regex
+
+__all__ = ["CommRow", "CommTotal", "CommSummary", "comm_summary", "in_region", "C10D_OPS", "fmt_bytes"]
+
+# The torch.ops._c10d_functional op each kind of collective runs (what torch.compile sees).
+C10D_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_to_all": "all_to_all_single",
+}
+
+PHASES = ("forward", "backward")
+
+# fxshard op -> (forward kind, backward kind); None: no communication in that phase.
+_AUTOGRAD_TABLE = {
+    "all_reduce": ("all_reduce", None),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+    "all_gather": ("all_gather", None),  # backward: reduce-scatter when grad="partial"
+    "shard": (None, "all_gather"),
+    "all_to_all": ("all_to_all", "all_to_all"),
+    "grad_sync": (None, "all_reduce"),
+}
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One collective call of one phase (forward or backward) of a training step."""
+
+    phase: str  # "forward" | "backward"
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all"
+    axis: str
+    axis_size: int
+    node: str  # name of the fxshard communication node
+    op: str  # fxshard op of that node (all_reduce, grad_sync, shard, ...)
+    region: str  # innermost module FQN of the node ("" at top level)
+    shape: tuple[int, ...]  # local shape of the larger buffer
+    dtype: torch.dtype
+    bytes: int
+    purpose: str = ""
+
+    @property
+    def c10d_op(self) -> str:
+        """The ``torch.ops._c10d_functional`` op this row runs."""
+        return C10D_OPS[self.kind]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one rank sends with a ring algorithm."""
+        n = self.axis_size
+        factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
+        return int(round(self.bytes * factor))
+
+
+@dataclass(frozen=True)
+class CommTotal:
+    """Count and bytes of the rows of one (phase, axis, kind)."""
+
+    phase: str
+    axis: str
+    kind: str
+    count: int
+    bytes: int
+
+
+@dataclass
+class CommSummary:
+    """Rows in execution order: forward in graph order, then backward in reverse graph order."""
+
+    mesh: dict[str, int]
+    rows: list[CommRow] = field(default_factory=list)
+
+    def select(self, phase: str | None = None, kind: str | None = None, axis: str | None = None,
+               region: str | None = None) -> list[CommRow]:
+        """Rows matching every given filter; ``region`` is a module pattern (:func:`in_region`)."""
+        for name, value, allowed in (("phase", phase, PHASES), ("kind", kind, tuple(C10D_OPS))):
+            if value is not None and value not in allowed:
+                raise ValueError(f"comm summary: {name} must be one of {allowed}, got {value!r}")
+        return [r for r in self.rows
+                if (phase is None or r.phase == phase) and (kind is None or r.kind == kind)
+                and (axis is None or r.axis == axis) and (region is None or in_region(r.region, region))]
+
+    def count(self, phase: str | None = None, kind: str | None = None, axis: str | None = None,
+              region: str | None = None) -> int:
+        """Number of collective calls matching the filters (see :meth:`select`)."""
+        return len(self.select(phase, kind, axis, region))
+
+    def nbytes(self, phase: str | None = None, kind: str | None = None, axis: str | None = None,
+               region: str | None = None) -> int:
+        """Total ``bytes`` of the collective calls matching the filters."""
+        return sum(r.bytes for r in self.select(phase, kind, axis, region))
+
+    @property
+    def forward(self) -> list[CommRow]:
+        return self.select("forward")
+
+    @property
+    def backward(self) -> list[CommRow]:
+        return self.select("backward")
+
+    @property
+    def totals(self) -> list[CommTotal]:
+        """One :class:`CommTotal` per (phase, axis, kind) that occurs."""
+        keys: dict[tuple[str, str, str], list[CommRow]] = {}
+        for r in self.rows:
+            keys.setdefault((r.phase, r.axis, r.kind), []).append(r)
+        order = {a: i for i, a in enumerate(self.mesh)}
+        return [CommTotal(p, a, k, len(rs), sum(r.bytes for r in rs))
+                for (p, a, k), rs in sorted(keys.items(), key=lambda kv: (PHASES.index(kv[0][0]), order.get(kv[0][1], 99), kv[0][2]))]
+
+    def by_region(self) -> dict[str, list[CommTotal]]:
+        """Totals per module region (innermost module FQN of the communication node)."""
+        regions: dict[str, list[CommRow]] = {}
+        for r in self.rows:
+            regions.setdefault(r.region, []).append(r)
+        return {reg: CommSummary(self.mesh, rows).totals for reg, rows in regions.items()}
+
+    def headline(self) -> str:
+        """One line: calls and bytes per phase, e.g. ``forward 4 (16.0 KiB)  backward 4 (16.0 KiB)``."""
+        parts = [f"{p} {self.count(p)} ({fmt_bytes(self.nbytes(p))})" for p in PHASES]
+        return "  ".join(parts)
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items()) or "?"
+        header = ["phase", "axis", "collective", "node", "op", "module", "local shape", "dtype", "bytes"]
+        body = [[r.phase, r.axis, r.kind, r.node, r.op, r.region or "<top>", _fmt_shape(r.shape),
+                 str(r.dtype).replace("torch.", ""), fmt_bytes(r.bytes)] for r in self.rows]
+        lines = [f"fxshard comm summary  mesh: {mesh}  {self.headline()}"]
+        if body:
+            lines += _table(header, body)
+        else:
+            lines.append("(no communication)")
+        totals = [[t.phase, t.axis, t.kind, f"x{t.count}", fmt_bytes(t.bytes)] for t in self.totals]
+        if totals:
+            lines.append("totals")
+            lines += ["  " + line for line in _table(["phase", "axis", "collective", "calls", "bytes"], totals)]
+        return "\n".join(lines)
+
+
+def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_require_grad: bool = False) -> CommSummary:
+    """The collectives ``gm`` (a :func:`fxshard.transform` result) runs in one training step.
+
+    Example::
+
+        s = fxshard.comm_summary(sharded)
+        assert s.count("forward", "all_reduce", axis="tp") == 2 * n_layers
+
+    ``region``: a module pattern (``"layers.0"``, ``"layers.*.attention"``); keep only the
+    collectives of the matching modules and their children.
+    ``inputs_require_grad``: count backward collectives that only the gradient of a
+    floating-point graph input would run (off by default: inputs are data).
+    """
+    mesh = dict(gm.meta.get("fxshard_mesh") or {})
+    grad = _requires_grad(gm, inputs_require_grad)
+    fwd_rows: list[CommRow] = []
+    bwd_rows: list[CommRow] = []
+    for node in gm.graph.nodes:
+        meta = node.meta.get(KEY)
+        coll = getattr(meta, "collective", None)
+        if coll is None:
+            continue
+        reg = module_path(node)
+        if region is not None and not in_region(reg, region):
+            continue
+        size = mesh.get(coll.axis, 0)
+        if size == 1:
+            continue  # the runtime op returns its input unchanged
+        fwd_kind, bwd_kind = _kinds(node, coll)
+        src = node.args[0] if node.args else None
+        buffers = [v for v in (_tensor(src), _tensor(node)) if v is not None]
+        if not buffers:
+            continue
+        big = max(buffers, key=lambda t: math.prod(t.local_shape))
+        nbytes = math.prod(big.local_shape) * _itemsize(big.dtype)
+
+        def row(phase, kind):
+            return CommRow(phase, kind, coll.axis, size, node.name, coll.op, reg, tuple(big.local_shape), big.dtype,
+                           nbytes, coll.purpose)
+
+        if fwd_kind is not None:
+            fwd_rows.append(row("forward", fwd_kind))
+        if bwd_kind is not None and isinstance(src, fx.Node) and src in grad:
+            bwd_rows.append(row("backward", bwd_kind))
+    return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _kinds(node: fx.Node, coll) -> tuple[str | None, str | None]:
+    """(forward kind, backward kind) of a communication node."""
+    if coll.op in _AUTOGRAD_TABLE:
+        fwd, bwd = _AUTOGRAD_TABLE[coll.op]
+        if coll.op == "all_gather" and node.kwargs.get("grad", "replicate") == "partial":
+            bwd = "reduce_scatter"
+        return fwd, bwd
+    # An op this module does not know: read what its Collective says it does.
+    return _kind_of_text(coll.fwd), _kind_of_text(coll.bwd)
+
+
+def _kind_of_text(text: str) -> str | None:
+    for kind in C10D_OPS:
+        if kind.replace("_", "-") in (text or ""):
+            return kind
+    return None
+
+
+def _tensor(node) -> TensorInfo | None:
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta.get(KEY)
+    v = getattr(meta, "value", None)
+    return v if isinstance(v, TensorInfo) else None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _differentiable(node: fx.Node) -> bool:
+    """Whether the node's value can carry a gradient (floating point or complex)."""
+    v = getattr(node.meta.get(KEY), "value", None)
+    infos = [v] if isinstance(v, TensorInfo) else [t for t in v if isinstance(t, TensorInfo)] if isinstance(v, tuple) else []
+    if not infos:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
+    return any(t.dtype.is_floating_point or t.dtype.is_complex for t in infos)
+
+
+def _requires_grad(gm: fx.GraphModule, inputs_require_grad: bool) -> set[fx.Node]:
+    """Nodes whose value requires grad at run time (autograd's own rule, replayed)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            needs = inputs_require_grad
+        elif node.op == "get_attr":
+            attr = _fetch(gm, node.target)
+            needs = isinstance(attr, torch.Tensor) and attr.requires_grad
+        elif node.op == "output" or (node.op == "call_method" and node.target == "detach"):
+            needs = False
+        else:
+            needs = any(a in out for a in node.all_input_nodes)
+        if needs and _differentiable(node):
+            out.add(node)
+    return out
+
+
+def _fetch(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def in_region(fqn: str, pattern: str | None) -> bool:
+    """Whether module ``fqn`` is inside the modules matched by ``pattern`` (the
+    :func:`fxshard.dump` convention: ``*`` matches one name, a match of the module or of
+    any parent counts, so ``"layers.0"`` and ``"layers.0.*"`` both take the whole layer)."""
+    if pattern is None or pattern in ("", "*"):
+        return True
+    rx = _pattern_regex(pattern[:-2] if pattern.endswith(".*") else pattern)
+    return any(rx.match(p) for p in _prefixes(fqn))
+
+
+def fmt_bytes(n: int) -> str:
+    """``4096 -> '4.0 KiB'``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _fmt_shape(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows]

@@ -546,3 +546,38 @@ def llama_plan(axis: str = "tp", *, fused: bool = False, sequence_parallel: bool
     if sequence_parallel or loss_parallel:
         plan["output"] = colwise(axis, inputs=seq, out=Shard(-1) if loss_parallel else Replicate())
     return plan
+
+
+def gpt2_plan(axis: str = "tp", *, sequence_parallel: bool = False, loss_parallel: bool = False,
+              args: GPT2Args | None = None) -> dict:
+    """Megatron tensor parallelism for :class:`GPT2` (biases on every linear).
+
+    The fused ``c_attn`` is sharded part by part (q | k | v); the row-parallel biases
+    are added once after the reduction; the token embedding is vocab-parallel (so a
+    tied LM head is sharded the same way).  ``sequence_parallel``: every block takes
+    its residual stream sequence-sharded (block 0 slices the replicated embedding sum
+    locally), norms run on shards, attention/MLP gather once on entry and
+    reduce-scatter on exit.  ``loss_parallel``: vocab-sharded logits for a
+    loss-parallel cross-entropy.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fxshard.plan import ModuleSpec, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+
+    a = args or GPT2Args()
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "wte": vocab_parallel(axis),
+        "h.*.attn.c_attn": colwise(axis, splits=[a.dim, a.dim, a.dim]),
+        "h.*.attn.c_proj": rowwise(axis, out=seq),
+        "h.*.mlp.c_fc": colwise(axis),
+        "h.*.mlp.c_proj": rowwise(axis, out=seq),
+        "lm_head": colwise(axis, inputs=seq, out=Shard(-1) if loss_parallel else Replicate()),
+    }
+    if sequence_parallel:
+        plan.update({
+            "h.*": ModuleSpec(inputs={"x": {axis: Shard(1)}}, style="prepare_input"),
+            "h.*.ln_1": seq_norm(axis), "h.*.ln_2": seq_norm(axis), "ln_f": seq_norm(axis),
+            "h.*.attn": _gather_input(axis), "h.*.mlp": _gather_input(axis),
+        })
+    return plan

@@ -20,12 +20,14 @@ from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, 
 from .trace import trace
 from .transform import transform
 from .dump import dump
+from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .state import full_state_dict, load_full_state_dict
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
     "trace", "transform", "dump", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError",
+    "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
     # runtime collectives called by the generated code
     "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync",
 ]

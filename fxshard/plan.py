@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
@@ -200,7 +201,13 @@ def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
 
 
 def _pattern_regex(pattern: str) -> re.Pattern:
-    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part).replace(r"\*", "[^.]*") for part in pattern.split(".")) + "$")
+    """A module FQN pattern: shell-style per dotted name (``*``, ``?``, ``[qkv]``);
+    wildcards never cross a ``.``."""
+    parts = []
+    for part in pattern.split("."):
+        rx = fnmatch.translate(part)  # '(?s:...)\\Z'
+        parts.append(rx[len("(?s:"):-len(")\\Z")].replace(".*", "[^.]*").replace("(?s:", "("))
+    return re.compile("^" + r"\.".join(parts) + "$")
 
 
 class Plan:

@@ -57,7 +57,8 @@ def grad_sync(gm: fx.GraphModule) -> fx.GraphModule:
         if not needs:
             continue
         coll = info(value).collective
-        if coll is not None and coll.op == "all_gather" and len(needs) == len(value.users) and all(coll.axis in a for a in needs.values()):
+        grad_users = [u for u in value.users if _out_layouts(u)]  # shape reads carry no gradient
+        if coll is not None and coll.op == "all_gather" and len(needs) == len(grad_users) and all(coll.axis in a for a in needs.values()):
             value.update_kwarg("grad", "partial")  # fold: backward reduce-scatters
             coll.bwd = "reduce-scatter (grad sync folded)"
             needs = {c: tuple(a for a in axes if a != coll.axis) for c, axes in needs.items()}

@@ -23,6 +23,9 @@ fxshard op          forward            backward
 ``grad_sync``       --                 all-reduce
 ==================  =================  ==========================================
 
+The loss-parallel functions of :mod:`fxshard.loss` communicate inside; their rows
+(all-reduces of one value per token) are listed under the loss node.
+
 A backward collective is listed only when gradient flows through the node: its input
 depends on a parameter that requires grad (or on a floating-point graph input, with
 ``inputs_require_grad=True``).  An op on an axis of size 1 communicates nothing.
@@ -201,36 +204,44 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
     fwd_rows: list[CommRow] = []
     bwd_rows: list[CommRow] = []
     for node in gm.graph.nodes:
-        meta = node.meta.get(KEY)
-        coll = getattr(meta, "collective", None)
-        if coll is None:
-            continue
         reg = module_path(node)
         if region is not None and not in_region(reg, region):
             continue
-        size = mesh.get(coll.axis, 0)
-        if size == 1:
-            continue  # the runtime op returns its input unchanged
-        fwd_kind, bwd_kind = _kinds(node, coll)
-        src = node.args[0] if node.args else None
-        buffers = [v for v in (_tensor(src), _tensor(node)) if v is not None]
-        if not buffers:
-            continue
-        big = max(buffers, key=lambda t: math.prod(t.local_shape))
-        nbytes = math.prod(big.local_shape) * _itemsize(big.dtype)
-
-        def row(phase, kind):
-            return CommRow(phase, kind, coll.axis, size, node.name, coll.op, reg, tuple(big.local_shape), big.dtype,
-                           nbytes, coll.purpose)
-
-        if fwd_kind is not None:
-            fwd_rows.append(row("forward", fwd_kind))
-        if bwd_kind is not None and isinstance(src, fx.Node) and src in grad:
-            bwd_rows.append(row("backward", bwd_kind))
+        for phase, kind, axis, buffer, op, purpose in _calls(node):
+            size = mesh.get(axis, 0)
+            if size == 1:
+                continue  # the runtime returns its input unchanged
+            if phase == "backward" and not (isinstance(node.args[0], fx.Node) and node.args[0] in grad):
+                continue  # no gradient flows through this node
+            shape, dtype = tuple(buffer.local_shape), buffer.dtype
+            row = CommRow(phase, kind, axis, size, node.name, op, reg, shape, dtype,
+                          math.prod(shape) * _itemsize(dtype), purpose)
+            (fwd_rows if phase == "forward" else bwd_rows).append(row)
     return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _calls(node: fx.Node) -> list[tuple]:
+    """``(phase, kind, axis, buffer TensorInfo, op, purpose)`` of every collective the
+    node runs, forward then backward."""
+    meta = node.meta.get(KEY)
+    coll = getattr(meta, "collective", None)
+    if coll is not None:
+        src, out = _tensor(node.args[0] if node.args else None), _tensor(node)
+        buffers = [v for v in (src, out) if v is not None]
+        if not buffers:
+            return []
+        big = max(buffers, key=lambda t: math.prod(t.local_shape))  # the gathered / unscattered side
+        fwd, bwd = _kinds(node, coll)
+        return [(phase, kind, coll.axis, big, coll.op, coll.purpose)
+                for phase, kind in (("forward", fwd), ("backward", bwd)) if kind is not None]
+    if node.op == "call_function":
+        calls = _INSIDE.get(getattr(node.target, "__name__", None))
+        if calls is not None and getattr(node.target, "__module__", "") == "fxshard":
+            return calls(node)
+    return []
 
 
 def _kinds(node: fx.Node, coll) -> tuple[str | None, str | None]:
@@ -242,6 +253,60 @@ def _kinds(node: fx.Node, coll) -> tuple[str | None, str | None]:
         return fwd, bwd
     # An op this module does not know: read what its Collective says it does.
     return _kind_of_text(coll.fwd), _kind_of_text(coll.bwd)
+
+
+# -- functions that communicate inside (fxshard.loss): not collective nodes, same rows.
+# Keep in step with fxshard/loss.py; tests/test_comm_summary.py counts the real calls.
+
+
+def _per_row(x: TensorInfo, class_dim: int, keepdim: bool) -> TensorInfo:
+    shape = list(x.local_shape)
+    if keepdim:
+        shape[class_dim] = 1
+    else:
+        shape = [math.prod(shape) // shape[class_dim]]
+    return TensorInfo({}, tuple(shape), tuple(shape), x.dtype)
+
+
+def _cross_entropy_calls(node: fx.Node) -> list[tuple]:
+    x, axis = _tensor(node.args[0]), node.args[2] if len(node.args) > 2 else node.kwargs.get("axis", "tp")
+    if x is None:
+        return []
+    c = 1 if len(x.local_shape) > 1 else 0
+    rows = _per_row(x, c, keepdim=False)
+    calls = ["max of the logits", "sum of exponentials", "target logit"]
+    if node.kwargs.get("label_smoothing", 0.0):
+        calls.append("sum of the logits (label smoothing)")
+    name = node.target.__name__
+    return [("forward", "all_reduce", axis, rows, name, what) for what in calls]
+
+
+def _log_softmax_calls(node: fx.Node) -> list[tuple]:
+    x = _tensor(node.args[0])
+    if x is None:
+        return []
+    axis = node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    per_row = _per_row(x, dim % len(x.local_shape), keepdim=True)
+    name = node.target.__name__
+    return [("forward", "all_reduce", axis, per_row, name, "max of the logits"),
+            ("forward", "all_reduce", axis, per_row, name, "sum of exponentials"),
+            ("backward", "all_reduce", axis, per_row, name, "grad sync of the log-sum-exp")]
+
+
+def _nll_loss_calls(node: fx.Node) -> list[tuple]:
+    x = _tensor(node.args[0])
+    if x is None:
+        return []
+    rows = _per_row(x, 1 if len(x.local_shape) > 1 else 0, keepdim=False)
+    return [("forward", "all_reduce", node.args[2], rows, node.target.__name__, "target log-probability")]
+
+
+_INSIDE = {
+    "vocab_parallel_cross_entropy": _cross_entropy_calls,
+    "vocab_parallel_log_softmax": _log_softmax_calls,
+    "vocab_parallel_nll_loss": _nll_loss_calls,
+}
 
 
 def _kind_of_text(text: str) -> str | None:

@@ -17,14 +17,14 @@ import torch
 import torch.fx
 
 from . import runtime
-from .runtime import _c10d, _comm_axis
+from .runtime import _comm_axis
 
 
 def _all_reduce_max(x: torch.Tensor, axis: str) -> torch.Tensor:
     ax = _comm_axis(axis, "vocab_parallel_log_softmax")
     if ax.size == 1:
         return x
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "max", ax.group_name))
+    return runtime._raw_all_reduce(x, ax, "max")
 
 
 def _log_sum_exp(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -14,8 +14,10 @@ field              meaning                                             written b
 ``collective``     :class:`Collective` on a communication node         redistribute, grad_sync
 =================  ==================================================  =============
 
-``declared`` is a complete layout on ``get_attr`` and ``placeholder`` nodes, and a
-:class:`Boundary` on ``region_input`` / ``region_output`` markers.  ``extra["splits"]``
+``declared`` is a complete layout on ``get_attr`` and ``placeholder`` nodes, a
+:class:`Boundary` on ``region_input`` / ``region_output`` markers, and a
+:class:`LocalRegion` on the ``call_module`` node of an opaque local region
+(``ModuleSpec(local=True)``, ``fxshard.expert_parallel``).  ``extra["splits"]``
 on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``).
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
@@ -78,6 +80,31 @@ class Boundary:
     expected: dict | None = None  # input: layout the preset says arrives (checked)
     src: dict | None = None  # output: layout the module produces (checked)
     dst: dict | None = None  # output: layout on exit
+
+
+@dataclass
+class LocalRegion:
+    """An opaque region (``ModuleSpec(local=True)``): one ``call_module`` node that runs
+    on local tensors.  Its output layout is declared, never derived.
+
+    ``outs`` is the complete ``out_src`` layout of its output (a tuple of layouts, by
+    position, for a module returning a tuple).  ``params`` holds the complete layout of
+    every parameter and buffer the region owns, by absolute FQN (Replicate unless the
+    plan or the preset says otherwise).  ``owners`` maps the FQN of each child that
+    lives on one rank only (module-list experts) to ``(axis, index)``: the child stays
+    on the rank whose coordinate on ``axis`` is ``index``.  ``compute`` is the user's
+    function replacing the forward; ``experts`` is the
+    :class:`fxshard.moe.ExpertParallelSpec` of an expert-parallel region.
+    """
+
+    fqn: str
+    pattern: str
+    outs: Any  # dict | tuple[dict, ...]
+    params: dict = field(default_factory=dict)
+    owners: dict = field(default_factory=dict)
+    compute: Any = None
+    experts: Any = None
+    style: str | None = None
 
 
 @dataclass

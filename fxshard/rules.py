@@ -141,7 +141,7 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
                     why = "is not linear" if kind is None else "is not linear in these operands"
                     raise ctx.fail(
                         f"{_name(ctx.node)} {why}: it cannot run on a Partial (unreduced) value on axis {axis!r} "
-                        f"(Partial from {', '.join(a.name for a, _ in partial)})",
+                        f"(Partial from {', '.join(_origin(a) for a, _ in partial)})",
                         reduce_fix(axis))
                 return partial[0][1].layout[axis]
             if not shard_dims:
@@ -163,6 +163,14 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
         return _layout_map(ctx, one)
 
     return rule
+
+
+def _origin(node: fx.Node) -> str:
+    """How a value reads in a message: markers name their module."""
+    if node.op == "call_function" and getattr(node.target, "__name__", "") in ("region_output", "region_input"):
+        kind = "output" if node.target.__name__ == "region_output" else "input"
+        return f"the {kind} of module `{node.args[1]}`"
+    return f"`{node.name}`"
 
 
 def _name(node: fx.Node) -> str:

@@ -164,8 +164,8 @@ def _check_divisible(x: torch.Tensor, dim: int, ax: _Axis, op: str) -> None:
 # --------------------------------------------------------------------------- raw collectives
 
 
-def _raw_all_reduce(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", ax.group_name))
+def _raw_all_reduce(x: torch.Tensor, ax: _Axis, op: str = "sum") -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, ax.group_name))
 
 
 def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:

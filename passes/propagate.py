@@ -181,7 +181,7 @@ def _enter(node: fx.Node, axes):
         expected = normalize(b.expected, nd, where)
         if any(expected[a] != src.layout[a] for a in expected):  # axes the plan leaves out keep what arrives
             raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
-                             f"declare inputs={_suggest(src.layout)} in that preset (the module then redistributes it), "
+                             f"declare inputs={_suggest(src.layout, expected)} in that preset (the module then redistributes it), "
                              f"or change the producer's output layout", PlacementMismatchError)
     dst = {**src.layout, **normalize(b.required, nd, where)} if b is not None and b.required is not None else src.layout
     _check_transition(node, src.layout, dst, where)
@@ -205,7 +205,7 @@ def _exit(node: fx.Node, axes):
         declared = normalize(b.src, nd, where)
         if any(declared[a] != src.layout[a] for a in declared):
             raise node_error(node, f"{where}: the plan declares out_src {fmt_layout(declared)} but propagation derived {fmt_layout(src.layout)}",
-                             f"declare out_src={_suggest(src.layout)} or change the module's parameter/input layouts", PlacementMismatchError)
+                             f"declare out_src={_suggest(src.layout, declared)} or change the module's parameter/input layouts", PlacementMismatchError)
     dst = {**src.layout, **normalize(b.dst, nd, where)} if b is not None and b.dst is not None else src.layout
     _check_transition(node, src.layout, dst, where)
     meta.value = _wrap(node, dst, axes, src.requires_grad)
@@ -227,5 +227,8 @@ def _check_transition(node, src, dst, where):
                              "reduce it where it is produced, or return it as is")
 
 
-def _suggest(layout) -> str:
-    return "{" + ", ".join(f"{a!r}: {p!r}" for a, p in layout.items() if not isinstance(p, Replicate)) + "}"
+def _suggest(layout, axes=None) -> str:
+    """``layout`` as plan code: the ``axes`` the plan declared (a Replicate among them
+    too, or the suggestion would read ``{}``), else its non-replicated axes."""
+    keep = (lambda a, p: a in axes) if axes is not None else (lambda a, p: not isinstance(p, Replicate))
+    return "{" + ", ".join(f"{a!r}: {p!r}" for a, p in layout.items() if keep(a, p)) + "}"

@@ -9,7 +9,8 @@ Reads:  ``nn_module_stack``; boundary markers; the plan.
 Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every node;
         ``.declared`` = complete layout on ``get_attr`` and ``placeholder`` nodes,
         :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers
-        (its layouts hold only the axes the plan names).
+        (its layouts hold only the axes the plan names); ``.extra["pattern"]``, the
+        plan entry that applies to the node.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
 
     # parameters and buffers --------------------------------------------------------
     declared_params: dict[str, dict] = {}
+    declared_by: dict[str, str] = {}  # parameter FQN -> plan pattern (provenance for fxshard.explain)
     splits: dict[str, tuple[int, ...]] = {}
     for fqn, (pattern, spec) in specs.items():
         for pname, layout in spec.params.items():
@@ -80,9 +82,11 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
                 raise PlanError(f"plan entry {pattern!r}: module {fqn!r} has no parameter or buffer {pname!r} "
                                 f"(it has {owned}); fix the name in params=")
             declared_params[full] = complete(layout, axes, f"plan entry {pattern!r} params[{pname!r}]")
+            declared_by[full] = pattern
             if spec.splits:
                 splits[full] = spec.splits
     _check_tied(gm, declared_params)
+    _check_boundaries_marked(gm, specs)
 
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     for name in plan.inputs:
@@ -92,6 +96,9 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
     for node in gm.graph.nodes:
         meta = info(node)
         meta.region = _innermost_planned(node, specs)
+        pattern = declared_by.get(node.target) if node.op == "get_attr" else specs.get(meta.region, (None,))[0]
+        if pattern is not None:
+            meta.extra["pattern"] = pattern
         if node.op == "get_attr":
             meta.declared = declared_params.get(node.target, complete(None, axes))
             if node.target in splits:
@@ -174,6 +181,20 @@ def _attr_names(gm, fqn: str):
     except AttributeError:
         return []
     return [n for n, _ in mod.named_parameters()] + [n for n, _ in mod.named_buffers()]
+
+
+def _check_boundaries_marked(gm, specs) -> None:
+    """A called module whose plan entry declares inputs/outputs needs boundary markers
+    (``fxshard.trace`` adds them, plain ``torch.fx.symbolic_trace`` does not); without
+    them the declaration would be silently ignored."""
+    marked = {n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target in (region_input, region_output)}
+    called = {q for n in gm.graph.nodes for q, _ in (n.meta.get("nn_module_stack") or {}).values()}
+    called |= {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    for fqn, (pattern, spec) in specs.items():
+        if spec.declares_boundary() and not spec.local and fqn in called and fqn not in marked:
+            raise PlanError(f"plan entry {pattern!r} declares the inputs/outputs of module {fqn!r}, but the graph has no "
+                            f"boundary for them (plain torch.fx.symbolic_trace does not mark module boundaries); trace the "
+                            f"model with fxshard.trace(model, plan, example_inputs), or pass the nn.Module to fxshard.transform")
 
 
 def _check_tied(gm, declared: dict[str, dict]) -> None:

@@ -88,8 +88,8 @@ def test_runtime_counts_match_graph(kind, monkeypatch):
         counter.calls.clear()
         loss.backward()
         bwd = dict(counter.calls)
-    # loss parallel adds exactly two scalar-per-token all-reduces (sum-exp, target logit)
-    assert fwd.get("all_reduce", 0) == fwd_static.get("all-reduce", 0) + 2
+    # loss parallel adds exactly three scalar-per-token all-reduces (max, sum-exp, target logit)
+    assert fwd.get("all_reduce", 0) == fwd_static.get("all-reduce", 0) + 3
     assert fwd.get("all_gather", 0) == fwd_static["all-gather"]
     assert fwd.get("reduce_scatter", 0) == fwd_static["reduce-scatter"]
     assert bwd.get("all_gather", 0) == bwd_static["all-gather"]

@@ -20,12 +20,15 @@ from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, 
 from .trace import trace
 from .transform import transform
 from .dump import dump
+from .comm import comm_summary
+from .explain import explain
+from .export import render, to_dot, to_json, to_networkx
 from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .state import full_state_dict, load_full_state_dict
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
-    "trace", "transform", "dump", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
+    "trace", "transform", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
     # runtime collectives called by the generated code

@@ -2,6 +2,7 @@
 
     python -m fxshard demo            # 2 gloo ranks on CPU: dump one layer, train, compare
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
+    python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.models:llama_plan --mesh tp=4
 """
 from __future__ import annotations
 
@@ -16,11 +17,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn on CPU (ignored under torchrun)")
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--layer", default="layers.0", help="module whose dump is printed")
+    from .cli import add_dump_arguments
+
+    add_dump_arguments(sub.add_parser("dump", help="transform a model offline (MeshSpec) and dump the result: text, json, dot, svg, --diff"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "dump":
+        from .cli import run_dump
+
+        return run_dump(args)
     return 2
 
 

@@ -24,7 +24,10 @@ fxshard op          forward            backward
 ==================  =================  ==========================================
 
 The loss-parallel functions of :mod:`fxshard.loss` communicate inside; their rows
-(all-reduces of one value per token) are listed under the loss node.
+(all-reduces of one value per token) are listed under the loss node.  Local regions
+(sub-GraphModules, e.g. expert-parallel MoE blocks) are walked where they are called;
+their dispatch/combine all-to-alls move as many tokens as the router sends, so their
+sizes (``exact=False``, ``~`` in the table) are those of the example inputs.
 
 A backward collective is listed only when gradient flows through the node: its input
 depends on a parameter that requires grad (or on a floating-point graph input, with
@@ -87,6 +90,7 @@ class CommRow:
     dtype: torch.dtype
     bytes: int
     purpose: str = ""
+    exact: bool = True  # False: a data-dependent size (MoE dispatch), shown for the example's shapes
 
     @property
     def c10d_op(self) -> str:
@@ -97,6 +101,8 @@ class CommRow:
     def wire_bytes(self) -> int:
         """Bytes one rank sends with a ring algorithm."""
         n = self.axis_size
+        if n < 1:  # axis size unknown (a graph without gm.meta["fxshard_mesh"])
+            return self.bytes
         factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
         return int(round(self.bytes * factor))
 
@@ -173,12 +179,14 @@ class CommSummary:
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items()) or "?"
         header = ["phase", "axis", "collective", "node", "op", "module", "local shape", "dtype", "bytes"]
         body = [[r.phase, r.axis, r.kind, r.node, r.op, r.region or "<top>", _fmt_shape(r.shape),
-                 str(r.dtype).replace("torch.", ""), fmt_bytes(r.bytes)] for r in self.rows]
+                 str(r.dtype).replace("torch.", ""), ("" if r.exact else "~") + fmt_bytes(r.bytes)] for r in self.rows]
         lines = [f"fxshard comm summary  mesh: {mesh}  {self.headline()}"]
         if body:
             lines += _table(header, body)
         else:
             lines.append("(no communication)")
+        if not all(r.exact for r in self.rows):
+            lines.append("~ data-dependent size (expert-parallel dispatch), for the example's shapes")
         totals = [[t.phase, t.axis, t.kind, f"x{t.count}", fmt_bytes(t.bytes)] for t in self.totals]
         if totals:
             lines.append("totals")
@@ -200,11 +208,25 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
     floating-point graph input would run (off by default: inputs are data).
     """
     mesh = dict(gm.meta.get("fxshard_mesh") or {})
-    grad = _requires_grad(gm, inputs_require_grad)
+    fwd_rows, bwd_rows = _graph_rows(gm, mesh, region, [inputs_require_grad] * _n_inputs(gm), "")
+    return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
+
+
+def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: list[bool], prefix: str):
+    """(forward rows, backward rows), both in graph order; local regions (sub-GraphModules
+    such as MoE blocks) are walked where they are called."""
+    grad = _requires_grad(gm, inputs_grad)
     fwd_rows: list[CommRow] = []
     bwd_rows: list[CommRow] = []
     for node in gm.graph.nodes:
-        reg = module_path(node)
+        reg = _join(prefix, module_path(node))
+        sub = _local_region(gm, node)
+        if sub is not None:
+            inner_grad = [isinstance(a, fx.Node) and a in grad for a in node.args]
+            f, b = _graph_rows(sub, mesh, region, inner_grad, node.target)
+            fwd_rows += f
+            bwd_rows += b
+            continue
         if region is not None and not in_region(reg, region):
             continue
         for phase, kind, axis, buffer, op, purpose in _calls(node):
@@ -215,9 +237,27 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
                 continue  # no gradient flows through this node
             shape, dtype = tuple(buffer.local_shape), buffer.dtype
             row = CommRow(phase, kind, axis, size, node.name, op, reg, shape, dtype,
-                          math.prod(shape) * _itemsize(dtype), purpose)
+                          math.prod(shape) * _itemsize(dtype), purpose, exact=op not in _DATA_DEPENDENT)
             (fwd_rows if phase == "forward" else bwd_rows).append(row)
-    return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
+    return fwd_rows, bwd_rows
+
+
+def _local_region(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The sub-GraphModule an opaque local region runs (``gm.meta["fxshard_region"]``)."""
+    if node.op != "call_module":
+        return None
+    sub = gm.get_submodule(node.target)
+    return sub if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target else None
+
+
+def _join(prefix: str, fqn: str) -> str:
+    if not prefix or fqn == prefix or fqn.startswith(prefix + "."):
+        return fqn or prefix
+    return f"{prefix}.{fqn}" if fqn else prefix
+
+
+def _n_inputs(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "placeholder")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -302,6 +342,10 @@ def _nll_loss_calls(node: fx.Node) -> list[tuple]:
     return [("forward", "all_reduce", node.args[2], rows, node.target.__name__, "target log-probability")]
 
 
+# Expert-parallel all-to-alls move as many tokens as the router sends: their sizes are
+# those of the example, assuming an even spread over the ranks.
+_DATA_DEPENDENT = {"ep_dispatch", "ep_combine"}
+
 _INSIDE = {
     "vocab_parallel_cross_entropy": _cross_entropy_calls,
     "vocab_parallel_log_softmax": _log_softmax_calls,
@@ -334,16 +378,20 @@ def _differentiable(node: fx.Node) -> bool:
     infos = [v] if isinstance(v, TensorInfo) else [t for t in v if isinstance(t, TensorInfo)] if isinstance(v, tuple) else []
     if not infos:
         val = node.meta.get("val")
-        return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
+        if isinstance(val, torch.Tensor):
+            return val.dtype.is_floating_point or val.dtype.is_complex
+        return val is None and node.op != "placeholder"  # nothing recorded (inside a local region): assume it may
     return any(t.dtype.is_floating_point or t.dtype.is_complex for t in infos)
 
 
-def _requires_grad(gm: fx.GraphModule, inputs_require_grad: bool) -> set[fx.Node]:
-    """Nodes whose value requires grad at run time (autograd's own rule, replayed)."""
+def _requires_grad(gm: fx.GraphModule, inputs_grad: list[bool]) -> set[fx.Node]:
+    """Nodes whose value requires grad at run time (autograd's own rule, replayed);
+    ``inputs_grad``: whether each graph input requires grad."""
     out: set[fx.Node] = set()
+    placeholders = iter(inputs_grad)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            needs = inputs_require_grad
+            needs = next(placeholders, False)
         elif node.op == "get_attr":
             attr = _fetch(gm, node.target)
             needs = isinstance(attr, torch.Tensor) and attr.requires_grad
@@ -351,6 +399,8 @@ def _requires_grad(gm: fx.GraphModule, inputs_require_grad: bool) -> set[fx.Node
             needs = False
         else:
             needs = any(a in out for a in node.all_input_nodes)
+            if node.op == "call_module":  # an opaque module: its own parameters count too
+                needs = needs or any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
         if needs and _differentiable(node):
             out.add(node)
     return out

@@ -47,11 +47,13 @@ def _short_source(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line}" if path else loc
 
 
-def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> str:
+def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, recursive: bool = False) -> str:
     """The transformed graph as a text table (see module docstring).
 
     ``region``: an FQN pattern (``*`` wildcards, a trailing ``.*`` includes submodules)
-    to show only the nodes of matching modules.
+    to show only the nodes of matching modules.  ``recursive``: also dump the graph of
+    every local region (a ``call_module`` of a sub-GraphModule, e.g. an MoE block),
+    after the table, with its collectives (the expert-parallel all-to-alls).
     """
     axes = list(gm.meta.get("fxshard_mesh") or {})
     if not axes:
@@ -90,7 +92,22 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True) -> 
         lines.append(f"communication per step: {comm_summary(gm).headline()}")
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if recursive:
+        lines += _dump_regions(gm, rx, region, source)
     return "\n".join(lines)
+
+
+def _dump_regions(gm: fx.GraphModule, rx, region, source: bool) -> list[str]:
+    """The dumps of the local regions (sub-GraphModules) the graph calls."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or (rx is not None and not any(rx.match(p) for p in _prefixes(node.target))):
+            continue
+        sub = gm.get_submodule(node.target)
+        if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target:
+            out += ["", f"-- local region {node.target} ({type(sub).__name__}), run on local tensors --",
+                    dump(sub, None, source, recursive=True)]
+    return out
 
 
 def module_path(node: fx.Node) -> str:

@@ -19,6 +19,9 @@ field              meaning                                             written b
 :class:`LocalRegion` on the ``call_module`` node of an opaque local region
 (``ModuleSpec(local=True)``, ``fxshard.expert_parallel``).  ``extra["splits"]``
 on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``).
+``extra["pattern"]`` (written by ``regions``, read by :func:`fxshard.explain`): the plan
+entry that applies to the node: on a ``get_attr`` the entry whose ``params=`` declared
+its layout, elsewhere the entry of the node's ``region``.
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).
@@ -87,8 +90,8 @@ class LocalRegion:
     """An opaque region (``ModuleSpec(local=True)``): one ``call_module`` node that runs
     on local tensors.  Its output layout is declared, never derived.
 
-    ``outs`` is the complete ``out_src`` layout of its output (a tuple of layouts, by
-    position, for a module returning a tuple).  ``params`` holds the complete layout of
+    ``outs`` is the ``out_src`` layout of its output, holding the axes the plan names
+    (a tuple of layouts, by position, for a module returning a tuple).  ``params`` holds the complete layout of
     every parameter and buffer the region owns, by absolute FQN (Replicate unless the
     plan or the preset says otherwise).  ``owners`` maps the FQN of each child that
     lives on one rank only (module-list experts) to ``(axis, index)``: the child stays

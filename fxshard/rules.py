@@ -162,6 +162,7 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
 
         return _layout_map(ctx, one)
 
+    rule.__name__ = f"pointwise ({kind or 'nonlinear'})"
     return rule
 
 
@@ -333,6 +334,7 @@ def reduction(kind: str):
 
         return _layout_map(ctx, one)
 
+    rule.__name__ = f"reduction ({kind})"
     return rule
 
 
@@ -357,6 +359,7 @@ def softmax(log: bool):
 
         return _layout_map(ctx, one)
 
+    rule.__name__ = "log_softmax" if log else "softmax"
     return rule
 
 
@@ -384,6 +387,7 @@ def norm(weight_positions: tuple[int, ...]):
 
         return _layout_map(ctx, one)
 
+    rule.__name__ = "norm"
     return rule
 
 
@@ -507,6 +511,7 @@ def permute_like(kind: str):
         inv = {src: dst for dst, src in enumerate(perm)}
         return _layout_map(ctx, lambda axis: Shard(inv[x.layout[axis].dim]) if isinstance(x.layout[axis], Shard) else x.layout[axis])
 
+    rule.__name__ = kind
     return rule
 
 
@@ -574,6 +579,7 @@ def cat(stack: bool):
 
         return _layout_map(ctx, one)
 
+    rule.__name__ = "stack" if stack else "cat"
     return rule
 
 
@@ -665,6 +671,7 @@ def int_arith(op):
             return SizeInfo(ctx.val, sharded[0])
         return SizeInfo(ctx.val, None)
 
+    rule.__name__ = "int arithmetic"
     return rule
 
 

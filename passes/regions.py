@@ -8,7 +8,8 @@ each node what the plan says about it, so that later passes never read the plan.
 Reads:  ``nn_module_stack``; boundary markers; the plan.
 Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every node;
         ``.declared`` = complete layout on ``get_attr`` and ``placeholder`` nodes,
-        :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers
+        :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers,
+        :class:`fxshard.meta.LocalRegion` on the ``call_module`` of a local region
         (its layouts hold only the axes the plan names); ``.extra["pattern"]``, the
         plan entry that applies to the node.
 """
@@ -24,7 +25,7 @@ from torch.distributed.tensor import Placement
 from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.layout import complete
-from fxshard.meta import Boundary, info
+from fxshard.meta import Boundary, LocalRegion, info
 from fxshard.plan import _for_module_type, _is_layout
 
 
@@ -110,7 +111,40 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
             meta.region = fqn
             if fqn in specs:
                 meta.declared = _boundary(node, fqn, name, specs[fqn], types.get(fqn), axes)
+        elif node.op == "call_module" and node.target in specs and specs[node.target][1].local:
+            meta.declared = _local_region(gm, node, specs, declared_params, axes)
     return gm
+
+
+def _local_region(gm, node, specs, declared_params, axes) -> LocalRegion:
+    """What the plan says about an opaque region (a ``call_module``): its declared
+    output layout(s) and the layout of every parameter and buffer it owns."""
+    fqn = node.target
+    pattern, spec = specs[fqn]
+    where = f"plan entry {pattern!r} (local region {fqn!r})"
+    inner = [f for f in specs if f.startswith(fqn + ".")]
+    if inner:
+        raise PlanError(f"{where}: plan entry {specs[inner[0]][0]!r} matches module {inner[0]!r} inside the region, but a "
+                        f"local region is opaque; declare the layouts of its tensors in the region's own params=")
+    if spec.out_src is None:
+        raise PlanError(f"{where}: the output layout of a local region is declared, not derived; "
+                        f"give its plan entry out_src= (e.g. the layout of its input)")
+    module = gm.get_submodule(fqn)
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    params = {f"{fqn}.{n}": declared_params.get(f"{fqn}.{n}", complete(None, axes)) for n, _ in tensors}
+    owners = {}
+    if hasattr(spec, "region_layouts"):  # presets that read the module (fxshard.expert_parallel)
+        derived, owned = spec.region_layouts(module, fqn, axes)
+        params.update({f"{fqn}.{n}": complete(lay, axes, where) for n, lay in derived.items()})
+        owners = {f"{fqn}.{n}": o for n, o in owned.items()}
+    val = node.meta.get("val")
+    names = spec.out_names or ("output",)
+    if isinstance(val, (tuple, list)):
+        names = spec.out_names or tuple(str(i) for i in range(len(val)))
+        outs = tuple(_named_axes(_pick(spec.out_src, n, i, i == 0), axes, f"{where} out_src[{n!r}]") for i, n in enumerate(names))
+    else:
+        outs = _named_axes(_pick(spec.out_src, names[0], 0, True), axes, f"{where} out_src")
+    return LocalRegion(fqn, pattern, outs, params, owners, spec.compute, spec if hasattr(spec, "region_layouts") else None, spec.style)
 
 
 def _boundary(node, fqn, name, pattern_spec, mtype, axes) -> Boundary:

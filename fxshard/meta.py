@@ -22,6 +22,11 @@ on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=..
 ``extra["pattern"]`` (written by ``regions``, read by :func:`fxshard.explain`): the plan
 entry that applies to the node: on a ``get_attr`` the entry whose ``params=`` declared
 its layout, elsewhere the entry of the node's ``region``.
+On a local region's ``call_module`` (written by ``local_regions`` / ``expert_parallel``):
+``extra["region"]`` is ``"carved"`` (its module is now a sub-GraphModule, whose nodes
+carry this same metadata) or ``"as is: <why fx could not trace it>"``;
+``extra["expert_parallel"]`` says where the all-to-alls went.  Inside a carved region
+``extra["local"]`` is ``(local shape, dtype)`` of a tensor, from one run on zeros.
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).

@@ -193,7 +193,7 @@ def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
         return replace(spec, params={"weight": {axis: Shard(1)}}, optional_params=(), style="colwise")
     if spec.style == "rowwise":
         (axis,) = spec.params["weight"]
-        return replace(vocab_parallel(axis, out=spec.out_dst[axis]), in_src=spec.in_src if False else None)
+        return vocab_parallel(axis, out=spec.out_dst[axis])
     return spec
 
 

@@ -88,9 +88,26 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = ()) -> fx
     graph = tracer.trace(model)
     name = model.__class__.__name__ if isinstance(model, nn.Module) else model.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
+    keep_non_persistent(tracer.root, gm)
     if example_inputs:
         record_shapes(gm, example_inputs)
     return gm
+
+
+def keep_non_persistent(src: nn.Module, gm: fx.GraphModule) -> None:
+    """Mark ``gm``'s buffers non-persistent where ``src``'s are: ``fx.GraphModule``
+    re-registers every buffer as persistent, which would add keys such as a rotary
+    table to ``state_dict`` and break loading the model's own checkpoints."""
+    for prefix, mod in src.named_modules():
+        for name in mod._non_persistent_buffers_set:
+            fqn = f"{prefix}.{name}" if prefix else name
+            owner_path, _, leaf = fqn.rpartition(".")
+            try:
+                owner = gm.get_submodule(owner_path) if owner_path else gm
+            except AttributeError:
+                continue
+            if leaf in owner._buffers:
+                owner._non_persistent_buffers_set.add(leaf)
 
 
 def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -102,6 +119,26 @@ def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         try:
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+            _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         except Exception as e:  # name the node that failed
             raise PlanError(f"running the model on the example inputs failed while recording shapes: {e}") from e
+
+
+class _ShapeProp(FakeTensorProp):
+    """FakeTensorProp, except that a leaf module that cannot run on fake tensors (data-
+    dependent shapes, e.g. MoE routing in a local region) runs once on zero-filled real
+    tensors of the same shapes, and its outputs are recorded as fake tensors."""
+
+    def call_module(self, target, args, kwargs):
+        try:
+            return super().call_module(target, args, kwargs)
+        except Exception:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.utils._pytree import tree_map
+
+            def real(a):
+                return torch.zeros(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a
+
+            with unset_fake_temporarily(), torch.no_grad():
+                out = self.fetch_attr(target)(*tree_map(real, args), **tree_map(real, kwargs))
+            return tree_map(lambda t: self._mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, out)

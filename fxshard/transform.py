@@ -13,11 +13,14 @@ from . import runtime
 from .errors import PlanError
 from .meta import KEY
 from .plan import Plan
-from .trace import record_shapes, trace
+from .trace import keep_non_persistent, record_shapes, trace
+from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
 from .passes.regions import regions
 from .passes.propagate import propagate
 from .passes.localize import localize
+from .passes.local_regions import local_regions
+from .passes.expert_parallel import expert_parallel
 from .passes.defer_bias import defer_bias
 from .passes.vocab_parallel_embedding import vocab_parallel_embedding
 from .passes.loss_parallel import loss_parallel
@@ -50,6 +53,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         regions(gm, plan)
         propagate(gm, axes)
         localize(gm, axes)
+        local_regions(gm, axes)
+        expert_parallel(gm)
         defer_bias(gm)
         vocab_parallel_embedding(gm, axes)
         loss_parallel(gm)
@@ -65,6 +70,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
 def _fresh_copy(obj, plan, example_inputs) -> fx.GraphModule:
     if isinstance(obj, fx.GraphModule):
         gm = _copy_graph_module(obj)
+        outline_regions(gm, plan)  # before shapes: MoE routing cannot run on fake tensors
         if example_inputs is not None:
             record_shapes(gm, example_inputs)
         elif any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
@@ -95,5 +101,6 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for n in graph.nodes:
         n.meta.pop(KEY, None)
     new = fx.GraphModule(holder, graph, gm.__class__.__name__)
+    keep_non_persistent(gm, new)
     new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
     return new

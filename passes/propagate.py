@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlacementMismatchError, PlanError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
-from fxshard.meta import SizeInfo, TensorInfo, info
+from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.rules import Ctx, rule_for
 
 
@@ -46,6 +46,8 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
             _enter(node, axes)
         elif node.target is region_output:
             _exit(node, axes)
+        elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
+            _local_region(node, axes)
         else:
             _apply_rule(node, axes)
         _flow_blocks(node)
@@ -165,6 +167,36 @@ def _apply_rule(node: fx.Node, axes):
         return
     meta.rule = name
     meta.value = _wrap(node, rule(ctx), axes, requires_grad)
+
+
+def _local_region(node: fx.Node, axes):
+    """An opaque region's output layout is declared (``out_src``), not derived.  Its
+    inputs arrive through markers, redistributed; on an axis the plan leaves out the
+    output keeps the layout its inputs arrive in (as at any module boundary), which
+    must then be the same for all of them."""
+    meta = info(node)
+    region: LocalRegion = meta.declared
+    ins = [(a, ti) for a, ti in Ctx(node, axes).tensor_args()]
+    for a, ti in ins:
+        for axis, p in ti.layout.items():
+            if isinstance(p, Partial):
+                raise node_error(node, f"local region {region.fqn!r} receives `{a.name}` as Partial on axis {axis!r}; it runs on "
+                                       f"local tensors, so each rank would see only a share of the value",
+                                 f"declare the region's inputs= {{{axis!r}: Replicate()}} (or Shard) in plan entry {region.pattern!r}")
+    outs = region.outs if isinstance(region.outs, tuple) else (region.outs,)
+    arrived = {}
+    for axis in axes:
+        placements = {repr(ti.layout[axis]): ti.layout[axis] for _, ti in ins}
+        if len(placements) > 1 and any(axis not in o for o in outs):
+            raise node_error(node, f"local region {region.fqn!r} receives inputs laid out differently on axis {axis!r} "
+                                   f"({', '.join(f'`{a.name}` {fmt_layout(ti.layout)}' for a, ti in ins)}), and its plan "
+                                   f"entry does not say how its output is laid out on {axis!r}",
+                             f"add {axis!r} to out_src of plan entry {region.pattern!r}")
+        arrived[axis] = next(iter(placements.values()), Replicate())
+    layouts = [{a: o.get(a, arrived[a]) for a in axes} for o in outs]
+    requires_grad = _inputs_require_grad(node) or bool(region.params)
+    meta.value = _wrap(node, layouts if isinstance(region.outs, tuple) else layouts[0], axes, requires_grad)
+    meta.rule = "local region (declared out_src)"
 
 
 def _enter(node: fx.Node, axes):

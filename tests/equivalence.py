@@ -110,6 +110,7 @@ def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_
                 n = part.shape[d] // size
                 pieces.append(part.narrow(d, coord[axis] * n, n))
             t = torch.cat(pieces, d) if blocks else pieces[0]
+            blocks = tuple(b // size for b in blocks) if blocks else blocks  # the next axis chunks local parts
         elif isinstance(p, Partial):
             raise ValueError(f"a Partial value on axis {axis!r} has no slice to compare")
     return t
@@ -279,7 +280,7 @@ def _close(got, want, case: Case, what: str) -> None:
 
 
 def _prepare(case: Case):
-    """Model, loss and the single-device reference (plain tensors only)."""
+    """The single-device model and the per-rank loss with its global targets."""
     model = case.model_factory()
     loss_fn, targets = _resolve_loss(case, model)
     return model, loss_fn, targets

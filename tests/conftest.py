@@ -1,0 +1,61 @@
+"""Test configuration.
+
+* ``tests/`` is importable (``from harness import ...``, ``from equivalence import
+  ...``) from every test directory, also in spawned ranks.
+* Fixtures ``after_pass`` / ``before_pass``: the graph right after (or right before)
+  one pass of ``fxshard.transform``, running the real pipeline in its real order::
+
+      def test_it(after_pass):
+          gm = after_pass("propagate", model, plan, (ids,))
+"""
+from __future__ import annotations
+
+import os
+import sys
+from unittest import mock
+
+import pytest
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+class _Stop(Exception):
+    def __init__(self, gm):
+        super().__init__("stopped the pipeline")
+        self.gm = gm
+
+
+def _stop_at(name: str, model, plan, example_inputs, run_it: bool):
+    """Run ``fxshard.transform`` until pass ``name`` (a function of
+    ``fxshard/transform.py``'s pipeline); return the graph after it (``run_it``) or
+    before it."""
+    import fxshard  # noqa: F401  (loads fxshard.transform)
+
+    pipeline = sys.modules["fxshard.transform"]
+    original = getattr(pipeline, name)
+
+    def stop(gm, *args, **kwargs):
+        if run_it:
+            original(gm, *args, **kwargs)
+        raise _Stop(gm)
+
+    with mock.patch.object(pipeline, name, stop):
+        try:
+            pipeline.transform(model, plan, example_inputs=example_inputs)
+        except _Stop as s:
+            return s.gm
+    raise AssertionError(f"fxshard.transform never ran pass {name!r}")
+
+
+@pytest.fixture
+def after_pass():
+    """``after_pass(name, model, plan, example_inputs)`` -> the GraphModule right after pass ``name``."""
+    return lambda name, model, plan, example_inputs: _stop_at(name, model, plan, example_inputs, True)
+
+
+@pytest.fixture
+def before_pass():
+    """``before_pass(name, model, plan, example_inputs)`` -> the GraphModule right before pass ``name``."""
+    return lambda name, model, plan, example_inputs: _stop_at(name, model, plan, example_inputs, False)

@@ -1,0 +1,153 @@
+"""Plans that cannot be carried out: a PlanError that names the thing and the fix, and
+the input GraphModule left exactly as it was."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import fxshard
+from fxshard import MeshSpec, ModuleSpec, PlacementMismatchError, Plan, PlanError, colwise, rowwise
+from fxshard.meta import KEY
+from fxshard.models import gpt2, llama, llama_plan, mlp, tokens
+
+IDS = tokens(2, 8, 128)
+X = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0))
+
+
+def tp(n: int = 2) -> MeshSpec:
+    return MeshSpec(("tp",), (n,))
+
+
+def _snapshot(gm: torch.fx.GraphModule):
+    return gm.code, {k: v.clone() for k, v in gm.state_dict().items()}, [dict(n.meta) for n in gm.graph.nodes]
+
+
+def fails_cleanly(model, plan, inputs, *fragments, cls=PlanError, tracer: str = "fx") -> str:
+    """Transform a traced ``model``; expect ``cls`` whose message holds every fragment,
+    and the GraphModule unchanged (code, state_dict, node metadata)."""
+    gm = fxshard.trace(model, plan, inputs) if tracer == "fxshard" else torch.fx.symbolic_trace(model)
+    code, state, metas = _snapshot(gm)
+    with pytest.raises(cls) as err:
+        fxshard.transform(gm, plan, example_inputs=inputs)
+    msg = str(err.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} missing from the message:\n{msg}"
+    assert gm.code == code, "the input GraphModule's code changed"
+    now = gm.state_dict()
+    assert now.keys() == state.keys() and all(torch.equal(now[k], state[k]) for k in state), "its state_dict changed"
+    assert [dict(n.meta) for n in gm.graph.nodes] == metas, "its node metadata changed"
+    assert not any(KEY in n.meta for n in gm.graph.nodes)
+    return msg
+
+
+def with_spec(pattern: str, spec: ModuleSpec) -> dict:
+    return {**llama_plan("tp"), pattern: spec}
+
+
+# ----------------------------------------------------------------------------- the plan vs the model
+
+
+@pytest.mark.parametrize("tracer", ["fx", "fxshard"])
+def test_pattern_that_matches_no_module(tracer):
+    fails_cleanly(llama(), Plan(tp(), {"layers.*.attention.wqq": colwise()}), (IDS,),
+                  "'layers.*.attention.wqq'", "matches no module", "closest module FQNs", "'layers.0.attention.wq'",
+                  "Fix the pattern", tracer=tracer)
+
+
+def test_axis_not_on_the_mesh():
+    """Validated when the plan is built, before any graph is touched."""
+    with pytest.raises(PlanError) as err:
+        Plan(tp(), {"layers.*.attention.wq": colwise("mp")})
+    for fragment in ("'layers.*.attention.wq'", "axis 'mp' is not on the mesh", "['tp']", "rename it"):
+        assert fragment in str(err.value)
+    with pytest.raises(PlanError, match="axis 'dp' is not on the mesh"):
+        Plan(tp(), llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}})
+
+
+def test_sharded_dim_not_divisible():
+    fails_cleanly(llama(n_heads=8, n_kv_heads=4), Plan(tp(3), llama_plan("tp")), (IDS,),
+                  "layers.0.attention.wq", "dim 0 of size 64 is not divisible by the size 3 of axis 'tp'",
+                  "make dim 0 a multiple of 3")
+
+
+def test_out_src_that_disagrees_with_propagation():
+    spec = dataclasses.replace(colwise(), out_src={"tp": Replicate()})
+    msg = fails_cleanly(llama(), Plan(tp(), with_spec("layers.*.attention.wq", spec)), (IDS,),
+                        "layers.0.attention.wq", "out_src tp=R", "derived tp=S(2)", "declare out_src={'tp': Shard(dim=2)}",
+                        cls=PlacementMismatchError, tracer="fxshard")
+    assert "source:" in msg and "models.py" in msg  # the user's line (fxshard.trace records stack traces)
+
+
+def test_input_that_arrives_in_another_layout_than_declared():
+    """rowwise() says its input arrives Shard(-1); a replicated input must be declared."""
+    fails_cleanly(mlp(), Plan(tp(), {"fc1": rowwise()}), (X,),
+                  "input 'input' of module 'fc1'", "arrives as tp=R", "tp=S(2)", "inputs={'tp': Replicate()}",
+                  cls=PlacementMismatchError)
+
+
+def test_nonlinearity_on_a_partial_value():
+    """A row-parallel fc1 kept Partial on exit, followed by GELU."""
+    fails_cleanly(mlp(), Plan(tp(), {"fc1": rowwise(inputs=Replicate(), out=Partial())}), (X,),
+                  "`gelu`", "<top level>", "gelu is not linear", "Partial", "axis 'tp'", "out_dst={'tp': Replicate()}")
+
+
+def test_module_spec_keeping_partial_before_silu():
+    spec = ModuleSpec(params={"weight": {"tp": Shard(1)}}, inputs={"tp": Shard(-1)},
+                      out_src={"tp": Partial()}, out_dst={"tp": Partial()})
+    fails_cleanly(llama(), Plan(tp(), with_spec("layers.*.feed_forward.w1", spec)), (IDS,),
+                  "`silu`", "layers.0.feed_forward (FeedForward)", "silu is not linear", "tp=P",
+                  "rowwise(out=Replicate())")
+
+
+def test_norm_over_a_sharded_dim():
+    plan = Plan(tp(), {"layers.*.attention_norm": ModuleSpec(inputs={"tp": Shard(-1)})})
+    fails_cleanly(llama(norm="module"), plan, (IDS,),
+                  "`rms_norm`", "layers.0.attention_norm (RMSNorm)", "reduces over dim 2, which is sharded on 'tp'",
+                  "sequence_parallel('tp')")
+    # written out: the mean over the sharded dim is Partial, and the `+ eps` cannot take it
+    fails_cleanly(llama(norm="written"), plan, (IDS,), "layers.0.attention_norm", "Partial", "axis 'tp'", tracer="fxshard")
+
+
+def test_boundary_of_a_module_traced_through_by_plain_symbolic_trace():
+    """Plain symbolic_trace leaves no boundary markers on modules it traces through:
+    the declared inputs would be ignored, so it is an error that says how to trace."""
+    plan = Plan(tp(), {"layers.*.attention_norm": ModuleSpec(inputs={"tp": Shard(-1)})})
+    fails_cleanly(llama(norm="written"), plan, (IDS,), "'layers.*.attention_norm'", "'layers.0.attention_norm'",
+                  "no boundary", "fxshard.trace(model, plan, example_inputs)")
+
+
+def test_tied_parameters_with_conflicting_layouts():
+    fails_cleanly(gpt2(tied=True), Plan(tp(), {"lm_head": colwise()}), (IDS,),
+                  "tied parameters", "'wte.weight'", "'lm_head.weight'", "Replicate (not in plan)",
+                  "give every name of a tied parameter the same layout")
+
+
+def test_wrong_parameter_name():
+    fails_cleanly(mlp(), Plan(tp(), {"fc1": ModuleSpec(params={"wieght": {"tp": Shard(0)}})}), (X,),
+                  "'fc1'", "no parameter or buffer 'wieght'", "['bias', 'weight']", "fix the name in params=")
+
+
+def test_wrong_input_name():
+    fails_cleanly(mlp(), Plan(tp(), {}, inputs={"tokens": {"tp": Shard(0)}}), (X,),
+                  "'tokens'", "['x']", "fix the name in inputs=")
+
+
+def test_from_torch_with_a_style_class():
+    with pytest.raises(PlanError) as err:
+        Plan.from_torch(tp(), {"fc1": ColwiseParallel, "fc2": RowwiseParallel()})
+    assert "'fc1'" in str(err.value) and "write an instance, ColwiseParallel()" in str(err.value)
+
+
+def test_torch_style_in_a_plain_plan():
+    with pytest.raises(PlanError, match="Plan.from_torch"):
+        Plan(tp(), {"fc1": ColwiseParallel()})
+
+
+def test_transform_module_without_example_inputs():
+    with pytest.raises(PlanError, match="example_inputs"):
+        fxshard.transform(mlp(), Plan(tp(), {}))

@@ -23,6 +23,7 @@ from .dump import dump
 from .comm import comm_summary
 from .explain import explain
 from .export import render, to_dot, to_json, to_networkx
+from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
 from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .state import full_state_dict, load_full_state_dict
 
@@ -30,6 +31,8 @@ __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
     "trace", "transform", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError",
+    "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
+    "ep_exchange_counts", "ep_dispatch", "ep_combine",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
     # runtime collectives called by the generated code
     "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync",

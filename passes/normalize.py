@@ -6,7 +6,8 @@ replaced by their ``torch.nn.functional`` form with ``get_attr`` inputs, so ever
 of a parameter is an edge later passes can see and rewrite.  A planned leaf module
 that declares inputs or outputs gets ``region_input``/``region_output`` markers
 around its functional call, the same markers ``fxshard.trace`` puts around planned
-modules it traces through.
+modules it traces through.  A local region (``ModuleSpec(local=True)``) stays a
+``call_module``, with markers on its tensor arguments and outputs.
 
 Reads:  ``node.meta["nn_module_stack"]``, the plan (which modules declare boundaries).
 Writes: new nodes inherit ``nn_module_stack``, ``stack_trace`` and ``val`` of the
@@ -15,12 +16,15 @@ Writes: new nodes inherit ``nn_module_stack``, ``stack_trace`` and ``val`` of th
 from __future__ import annotations
 
 import inspect
+import operator
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fxshard.boundary import region_input, region_output
+from fxshard.errors import PlanError
 
 _ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh, nn.Sigmoid: F.sigmoid}
 
@@ -56,6 +60,9 @@ def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
     """Rewrite parameter-owning leaf modules into functional calls (in place)."""
     graph = gm.graph
     for node in list(graph.nodes):
+        if node.op == "call_module" and plan is not None and _is_local_region(plan, node.target):
+            _mark_local_region(graph, node, gm.get_submodule(node.target), plan.match(node.target)[1])
+            continue
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         mod = gm.get_submodule(node.target)
@@ -84,6 +91,51 @@ def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
     _drop_unused_leaves(gm)
     gm.recompile()
     return gm
+
+
+def _is_local_region(plan, fqn: str) -> bool:
+    hit = plan.match(fqn)
+    return hit is not None and hit[1].local
+
+
+def _mark_local_region(graph: fx.Graph, node: fx.Node, mod: nn.Module, spec) -> None:
+    """An opaque region stays a ``call_module``; each tensor argument gets a
+    ``region_input`` and each tensor output a ``region_output`` marker, so the layouts
+    at its entry and exit are redistributed like at any module boundary."""
+    fqn = node.target
+    try:
+        bound = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
+    except TypeError as e:
+        raise PlanError(f"local region {fqn!r}: cannot bind its call to forward{inspect.signature(mod.forward)}: {e}") from e
+    for name, value in list(bound.arguments.items()):
+        if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+            with graph.inserting_before(node):
+                bound.arguments[name] = _marker(graph, region_input, value, fqn, name, node)
+    node.args, node.kwargs = tuple(bound.args), dict(bound.kwargs)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        _mark_output(graph, node, fqn, (spec.out_names or ("output",))[0], node)
+    elif isinstance(val, (tuple, list)):
+        names = spec.out_names or tuple(str(i) for i in range(len(val)))
+        for user in list(node.users):
+            if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+                raise PlanError(f"local region {fqn!r} returns a tuple that node `{user.name}` uses whole; unpack its "
+                                f"outputs (a, b = region(x)) so each gets its declared layout")
+            if isinstance(user.meta.get("val"), torch.Tensor):
+                _mark_output(graph, user, fqn, names[user.args[1]], node)
+
+
+def _mark_output(graph, value: fx.Node, fqn: str, name: str, region: fx.Node) -> None:
+    with graph.inserting_after(value):
+        marker = _marker(graph, region_output, value, fqn, name, region)
+    value.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
+
+
+def _marker(graph, fn, value: fx.Node, fqn: str, name: str, region: fx.Node) -> fx.Node:
+    marker = graph.call_function(fn, (value, fqn, name))
+    marker.meta.update({k: region.meta[k] for k in ("nn_module_stack", "stack_trace") if k in region.meta})
+    marker.meta["val"] = value.meta.get("val")
+    return marker
 
 
 def _nodes_between(first: fx.Node, last: fx.Node):

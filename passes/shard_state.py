@@ -11,7 +11,10 @@ Under simulated ranks (``LocalTensorMode``) the coordinate is per rank, so each
 parameter becomes a LocalTensor holding every rank's shard; replicated ones become
 per-rank copies, as every rank holds its own copy in a real run.
 
-Reads:  ``.value`` of ``get_attr`` nodes; the mesh coordinate.
+Parameters of local regions (``LocalRegion.params``) are sliced the same way; a
+region's children owned by other ranks (module-list experts) are deleted.
+
+Reads:  ``.value`` of ``get_attr`` nodes, ``.declared`` of local regions; the mesh coordinate.
 Writes: module attributes; ``gm.meta["fxshard_state"]``.
 """
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch.distributed.tensor import Shard
 
 from fxshard.layout import is_replicate
 from fxshard.mesh import mesh_coordinate, mesh_shape
-from fxshard.meta import TensorInfo, info
+from fxshard.errors import PlanError
+from fxshard.meta import LocalRegion, TensorInfo, info
 
 
 def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -56,6 +60,8 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
             layouts[node.target] = (v.layout, v.shape)
             if v.blocks:
                 blocks[node.target] = v.blocks
+        elif node.op == "call_module" and isinstance(info(node).declared, LocalRegion):
+            layouts.update(_local_region_state(gm, info(node).declared, mesh))
     lm = enabled_local_tensor_mode()
     replaced: dict[int, torch.Tensor] = {}
     names = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
@@ -87,3 +93,20 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     gm.meta["fxshard_state"] = state
     gm.meta["fxshard_blocks"] = blocks
     return gm
+
+
+def _local_region_state(gm: fx.GraphModule, region: LocalRegion, mesh) -> dict:
+    """A local region's tensors are no graph edges: their layouts come from the plan
+    (``LocalRegion.params``).  Children owned by another rank (module-list experts)
+    are deleted from this rank; the rest keep their FQNs."""
+    if region.owners and enabled_local_tensor_mode() is not None:
+        raise PlanError(f"local region {region.fqn!r}: its experts live on one rank each (a module list), which "
+                        f"simulated ranks cannot hold; run it on real ranks")
+    coord = mesh_coordinate(mesh) if region.owners else {}
+    for child, (axis, index) in region.owners.items():
+        if coord[axis] != index:
+            parent, _, name = child.rpartition(".")
+            del gm.get_submodule(parent)._modules[name]
+    own = dict(gm.named_parameters(remove_duplicate=False))
+    own.update(gm.named_buffers(remove_duplicate=False))
+    return {fqn: (layout, tuple(own[fqn].shape)) for fqn, layout in region.params.items() if fqn in own}

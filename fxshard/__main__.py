@@ -1,6 +1,7 @@
 """``python -m fxshard``: the demo (main job) and the command-line tools.
 
     python -m fxshard demo            # 2 gloo ranks on CPU: dump one layer, train, compare
+    python -m fxshard demo --bench    # ... then time a step: fxshard vs DTensor vs hand-written Megatron
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
     python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.models:llama_plan --mesh tp=4
 """
@@ -17,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn on CPU (ignored under torchrun)")
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--layer", default="layers.0", help="module whose dump is printed")
+    demo.add_argument("--bench", action="store_true",
+                      help="then time a training step: fxshard vs DTensor parallelize_module vs hand-written Megatron")
+    demo.add_argument("--bench-modes", default="eager,aot_eager",
+                      help="comma-separated: eager (no compile), aot_eager, inductor (torch.compile backends)")
+    demo.add_argument("--bench-iters", type=int, default=20, help="timed steps per contender and mode")
     from .cli import add_dump_arguments
 
     add_dump_arguments(sub.add_parser("dump", help="transform a model offline (MeshSpec) and dump the result: text, json, dot, svg, --diff"))

@@ -215,12 +215,8 @@ def _enter(node: fx.Node, axes):
             raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
                              f"declare inputs={_suggest(src.layout, expected)} in that preset (the module then redistributes it), "
                              f"or change the producer's output layout", PlacementMismatchError)
-    dst = {**src.layout, **normalize(b.required, nd, where)} if b is not None and b.required is not None else src.layout
-    _check_transition(node, src.layout, dst, where)
-    meta.value = _wrap(node, dst, axes, src.requires_grad)
-    meta.rule = "plan boundary (input)"
-    if dst != src.layout:
-        meta.redistribute = (src.layout, dst)
+    required = b.required if b is not None else None
+    _change_layout(node, src, normalize(required, nd, where) if required is not None else {}, axes, where, "plan boundary (input)")
 
 
 def _exit(node: fx.Node, axes):
@@ -238,10 +234,18 @@ def _exit(node: fx.Node, axes):
         if any(declared[a] != src.layout[a] for a in declared):
             raise node_error(node, f"{where}: the plan declares out_src {fmt_layout(declared)} but propagation derived {fmt_layout(src.layout)}",
                              f"declare out_src={_suggest(src.layout, declared)} or change the module's parameter/input layouts", PlacementMismatchError)
-    dst = {**src.layout, **normalize(b.dst, nd, where)} if b is not None and b.dst is not None else src.layout
+    declared_dst = b.dst if b is not None else None
+    _change_layout(node, src, normalize(declared_dst, nd, where) if declared_dst is not None else {}, axes, where, "plan boundary (output)")
+
+
+def _change_layout(node, src: TensorInfo, declared: dict, axes, where: str, rule: str) -> None:
+    """A boundary marker's value: the declared axes change, the others keep what arrives;
+    a change is recorded for ``redistribute``."""
+    meta = info(node)
+    dst = {**src.layout, **declared}
     _check_transition(node, src.layout, dst, where)
     meta.value = _wrap(node, dst, axes, src.requires_grad)
-    meta.rule = "plan boundary (output)"
+    meta.rule = rule
     if dst != src.layout:
         meta.redistribute = (src.layout, dst)
 

@@ -29,6 +29,7 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
 import time
 from typing import Callable, Iterator
 
@@ -61,8 +62,15 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple
     )
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears down while a peer still communicates
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown: under load, c10d's background threads can abort the
+    # process at exit ("terminate called without an active exception") after the work
+    # has passed; the result is already known here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float | None = None) -> None:

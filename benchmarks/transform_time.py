@@ -1,0 +1,231 @@
+"""Transform time: ``fxshard.trace`` + ``fxshard.transform`` wall time and node count
+for Llama at 2, 8, 32 and 64 layers (offline ``MeshSpec``, tp=4).
+
+Times are best-of-``--repeats``, CPU time of this process (robust to other jobs on a
+shared machine; the growth ratios use it) and wall clock, each run after a
+``gc.collect()``, twice: with Python's cyclic GC off (the intrinsic cost, as ``timeit``
+measures it) and on (what a user waits).  The difference matters: a full GC collection
+scans every live object -- thousands of fx nodes with their metadata, fake tensors -- and
+lands in whichever pass crosses the threshold, so with the GC on one pass can look
+superlinear (measured: normalize x5.3 from 32 to 64 layers with the GC on, x2.1 with it
+off; the whole transform x2.07 with it off).  The cost should grow linearly with the number of layers: the growth ratio from 32 to
+64 layers should be ~2 (as the node count's).  Each pass of the pipeline is timed
+separately (the functions that ``fxshard/transform.py`` imports from
+``fxshard.passes`` are wrapped), so a superlinear pass shows up by name; ``--profile``
+adds a cProfile of the largest transform.
+
+    python benchmarks/transform_time.py
+    python benchmarks/transform_time.py --layers 2,8,32,64,128 --profile
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import importlib
+import io
+import pstats
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, describe_machine, pyplot, save_plot, table, write_json  # noqa: E402
+
+import fxshard  # noqa: E402
+from fxshard import MeshSpec, Plan  # noqa: E402
+from fxshard.models import llama, llama_plan, tokens  # noqa: E402
+
+_PIPELINE = importlib.import_module("fxshard.transform")  # the module (fxshard.transform is the function)
+
+
+@contextlib.contextmanager
+def timed_passes(sink: dict[str, float]):
+    """Wrap every pass ``fxshard/transform.py`` calls (and its graph copy) to add its
+    wall time to ``sink[name]``; restores them on exit."""
+    names = [n for n, f in vars(_PIPELINE).items()
+             if callable(f) and (getattr(f, "__module__", "") or "").startswith("fxshard.passes.")]
+    names.append("_fresh_copy")
+    originals = {n: getattr(_PIPELINE, n) for n in names}
+
+    def wrap(name, fn):
+        def timed(*a, **k):
+            t0 = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                sink[name] += time.process_time() - t0
+        return timed
+
+    for n, f in originals.items():
+        setattr(_PIPELINE, n, wrap(n, f))
+    try:
+        yield
+    finally:
+        for n, f in originals.items():
+            setattr(_PIPELINE, n, f)
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _trace_and_transform(model, plan: Plan, ids, gc_on: bool):
+    """One timed trace + transform from a clean heap; GC off (as ``timeit`` does) unless ``gc_on``."""
+    per_pass: dict[str, float] = defaultdict(float)
+    gc.collect()  # the garbage of earlier runs must not bill this one
+    if not gc_on:
+        gc.disable()
+    try:
+        w0, c0 = _clocks()
+        gm = fxshard.trace(model, plan, (ids,))
+        w1, c1 = _clocks()
+        with timed_passes(per_pass):
+            sharded = fxshard.transform(gm, plan)
+        w2, c2 = _clocks()
+    finally:
+        gc.enable()
+    times = dict(trace_s=w1 - w0, trace_cpu_s=c1 - c0, transform_s=w2 - w1, transform_cpu_s=c2 - c1)
+    return gm, sharded, times, dict(per_pass)
+
+
+def measure(n_layers: int, plan: Plan, ids, repeats: int) -> dict:
+    """Best-of-``repeats`` wall and CPU times of trace and transform, with Python's cyclic
+    GC off (the intrinsic cost, as ``timeit`` measures) and on (what a user waits)."""
+    model = llama(n_layers=n_layers, n_heads=8, n_kv_heads=4)
+    t = defaultdict(list)
+    passes, passes_gc = [], []
+    for _ in range(repeats):
+        gm, sharded, times, per_pass = _trace_and_transform(model, plan, ids, gc_on=False)
+        for k, v in times.items():
+            t[k].append(v)
+        passes.append(per_pass)
+        del gm, sharded
+        gm, sharded, times, per_pass = _trace_and_transform(model, plan, ids, gc_on=True)
+        for k, v in times.items():
+            t[k.replace("_s", "_gc_s")].append(v)
+        passes_gc.append(per_pass)
+        nodes = (len(gm.graph.nodes), len(sharded.graph.nodes))
+        del gm, sharded
+    best = {k: min(v) for k, v in t.items()}
+    return dict(layers=n_layers, traced_nodes=nodes[0], nodes=nodes[1], **best,
+                total_s=best["trace_s"] + best["transform_s"], total_cpu_s=best["trace_cpu_s"] + best["transform_cpu_s"],
+                total_gc_s=best["trace_gc_s"] + best["transform_gc_s"],
+                total_cpu_gc_s=best["trace_cpu_gc_s"] + best["transform_cpu_gc_s"],
+                passes_s={p: min(run[p] for run in passes) for p in passes[0]},
+                passes_gc_s={p: min(run[p] for run in passes_gc) for p in passes_gc[0]})
+
+
+TIMES = ("trace_s", "transform_s", "total_s", "trace_cpu_s", "transform_cpu_s", "total_cpu_s",
+         "trace_cpu_gc_s", "transform_cpu_gc_s", "total_cpu_gc_s", "total_gc_s")
+
+
+def growth(rows: list[dict], small: int, large: int) -> dict:
+    """Ratios large/small of times and node counts (and of each pass's CPU time)."""
+    a = next(r for r in rows if r["layers"] == small)
+    b = next(r for r in rows if r["layers"] == large)
+    out = {k: b[k] / a[k] for k in TIMES + ("nodes", "traced_nodes")}
+    out["passes"] = {p: b["passes_s"][p] / a["passes_s"][p] for p in b["passes_s"] if a["passes_s"].get(p)}
+    out["passes_gc"] = {p: b["passes_gc_s"][p] / a["passes_gc_s"][p] for p in b["passes_gc_s"] if a["passes_gc_s"].get(p)}
+    return out
+
+
+def profile_transform(n_layers: int, plan: Plan, ids, top: int = 25) -> str:
+    gm = fxshard.trace(llama(n_layers=n_layers, n_heads=8, n_kv_heads=4), plan, (ids,))
+    prof = cProfile.Profile()
+    prof.enable()
+    fxshard.transform(gm, plan)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
+def plot(rows):
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(4.8, 3.2))
+    xs = [r["layers"] for r in rows]
+    for key, label in (("trace_cpu_s", "trace"), ("transform_cpu_s", "transform"), ("total_cpu_s", "total"),
+                       ("total_cpu_gc_s", "total, GC on")):
+        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+    last = rows[-1]
+    ax.plot(xs, [last["total_cpu_s"] * x / last["layers"] for x in xs], ls="--", color="grey", lw=0.8, label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("layers")
+    ax.set_ylabel("CPU seconds (best of repeats)")
+    ax.set_title("fxshard trace + transform, Llama, tp=4")
+    ax.legend(fontsize=8)
+    path = save_plot(fig, "transform_time")
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", default="2,8,32,64", help="comma-separated layer counts")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="best-of repeats per layer count")
+    p.add_argument("--profile", action="store_true", help="cProfile the transform of the largest model")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    layers = sorted(int(x) for x in args.layers.split(",") if x)
+    plan = Plan(MeshSpec(("tp",), (args.tp,)), llama_plan("tp"))
+    ids = tokens(2, 8, 128)
+    fxshard.transform(llama(n_layers=1, n_heads=8, n_kv_heads=4), plan, (ids,))  # warm-up: imports, caches
+    rows = [measure(n, plan, ids, args.repeats) for n in layers]
+    print(f"transform time: fxshard.trace + fxshard.transform of Llama (dim 64, 8/4 heads), MeshSpec tp={args.tp}, "
+          f"best of {args.repeats}")
+    print(f"machine: {describe_machine()}\n")
+    print("CPU seconds of this process; 'gc on': Python's cyclic GC enabled during the run, as users run it\n")
+    print(table(rows, [("layers", "layers", "d"), ("traced_nodes", "traced nodes", "d"), ("nodes", "nodes after", "d"),
+                       ("trace_cpu_s", "trace", ".3f"), ("transform_cpu_s", "transform", ".3f"),
+                       ("total_cpu_s", "total", ".3f"), ("total_s", "total wall", ".3f"),
+                       ("trace_cpu_gc_s", "trace gc on", ".3f"), ("transform_cpu_gc_s", "transform gc on", ".3f"),
+                       ("total_cpu_gc_s", "total gc on", ".3f"), ("total_gc_s", "total wall gc on", ".3f")]))
+    result = {"rows": rows}
+    if len(layers) >= 2:
+        small, large = layers[-2], layers[-1]
+        g = growth(rows, small, large)
+        result["growth"] = dict(small=small, large=large, **g)
+        print(f"\ngrowth {large}/{small} layers (linear: x{large / small:.2f}): nodes x{g['nodes']:.2f}; "
+              f"CPU time: trace x{g['trace_cpu_s']:.2f}, transform x{g['transform_cpu_s']:.2f}, total x{g['total_cpu_s']:.2f}; "
+              f"with the GC on: total x{g['total_cpu_gc_s']:.2f}")
+        a, b = rows[-2], rows[-1]
+        per_pass = [dict(part=p, small_s=a["passes_s"].get(p), large_s=b["passes_s"][p], ratio=r,
+                         small_gc_s=a["passes_gc_s"].get(p), large_gc_s=b["passes_gc_s"].get(p), ratio_gc=g["passes_gc"].get(p))
+                    for p, r in sorted(g["passes"].items(), key=lambda kv: -b["passes_s"][kv[0]])]
+        print(f"\ntransform, CPU time per pass ({small} -> {large} layers):")
+        print(table(per_pass, [("part", "pass", ""), ("small_s", f"{small} layers s", ".4f"),
+                               ("large_s", f"{large} layers s", ".4f"), ("ratio", "ratio", ".2f"),
+                               ("small_gc_s", f"{small} gc on", ".4f"), ("large_gc_s", f"{large} gc on", ".4f"),
+                               ("ratio_gc", "ratio gc on", ".2f")]))
+    if args.profile:
+        text = profile_transform(layers[-1], plan, ids)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / "transform_time_profile.txt"
+        path.write_text(text)
+        print(f"\ncProfile of transform at {layers[-1]} layers (top by own time): {path}")
+        print("\n".join(text.splitlines()[:40]))
+    path = write_json("transform_time", dict(layers=layers, tp=args.tp, repeats=args.repeats), result, args.out)
+    print(f"\nresults: {path}")
+    if not args.no_plot:
+        png = plot(rows)
+        if png:
+            print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

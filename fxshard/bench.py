@@ -1,0 +1,673 @@
+"""Step-time comparison: fxshard vs DTensor ``parallelize_module`` vs hand-written Megatron layers.
+
+One training step (forward, cross-entropy, backward, SGD) of :class:`fxshard.models.Llama`
+on real ranks (gloo processes on CPU, NCCL under ``torchrun`` on GPUs), for three
+contenders built from the same weights and the same ``parallelize_module`` plan dict:
+
+* ``fxshard``: ``fxshard.transform(model, Plan.from_torch(mesh, plan_dict))``;
+* ``dtensor``: ``parallelize_module(model, mesh, plan_dict)``;
+* ``megatron``: :class:`MegatronLlama`, column/row-parallel layers written by hand
+  (local weight shards, autograd functions over functional collectives, no fx).
+
+Each runs eagerly and under ``torch.compile``.  The contenders alternate step by step
+(round-robin, rotating who goes first) so that machine noise hits all alike; medians
+are compared with the hand-written reference.  All contenders start from the same
+weights and see the same batch, so their losses must agree at every step: the table
+says so (``loss ok``).  Used by ``benchmarks/step_time.py`` and
+``python -m fxshard demo --bench``.
+
+Example::
+
+    from fxshard import bench
+    rows = bench.run_step_time([bench.SIZES["small"]], tp=2, modes=["eager"], iters=10)
+    print(bench.format_table(rows))
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import io
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "StepSize", "SIZES", "MODES", "CONTENDERS", "torch_llama_plan", "MegatronLlama",
+    "run_step_time", "time_on_mesh", "spawn_ranks", "format_table", "summary_ratios", "progress",
+]
+
+_c10d = torch.ops._c10d_functional
+
+CONTENDERS = ("megatron", "fxshard", "dtensor")  # the reference first
+MODES = ("eager", "aot_eager", "inductor")  # "eager": no torch.compile; else the compile backend
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """One benchmarked shape: the Llama and its batch."""
+
+    name: str
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_hidden: int = 128
+    vocab_size: int = 128
+    batch: int = 4
+    seqlen: int = 16
+    iters: int = 60  # default timed steps per contender: many when steps are short and noisy
+
+    def model_args(self) -> dict:
+        return dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                    ffn_hidden=self.ffn_hidden, vocab_size=self.vocab_size, max_seq_len=max(32, self.seqlen))
+
+    def describe(self) -> str:
+        return (f"dim {self.dim}, {self.n_layers} layers, {self.n_heads}/{self.n_kv_heads} heads, ffn {self.ffn_hidden}, "
+                f"vocab {self.vocab_size}, batch {self.batch}x{self.seqlen}")
+
+
+SIZES = {
+    # the demo model: CPU overhead (Python, dispatch, collectives' latency) dominates
+    "small": StepSize("small"),
+    # matmuls dominate (still runs in seconds per step on one CPU core per rank)
+    "large": StepSize("large", dim=512, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=1536, vocab_size=4096,
+                      batch=4, seqlen=128, iters=15),
+    # a realistic hidden size for one GPU (benchmarks/gpu.sh)
+    "gpu": StepSize("gpu", dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32768,
+                    batch=4, seqlen=1024, iters=10),
+}
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _TextBar:
+    """A tqdm stand-in (no dependency): one line every ~10 %, to stderr."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.t0, self.shown = total, desc, 0, time.monotonic(), -1
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        tenth = self.n * 10 // max(self.total, 1)
+        if tenth != self.shown:
+            self.shown = tenth
+            print(f"{self.desc}: {self.n}/{self.total} steps ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str, enabled: bool = True) -> Iterator:
+    """A progress bar on stderr: tqdm when installed, else a line every 10 %.
+
+    Example::
+
+        with progress(100, "steps") as bar:
+            for _ in range(100):
+                bar.update()
+    """
+    if not enabled:
+        yield _Null()
+        return
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
+    except ImportError:
+        bar = _TextBar(total, desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+class _Null:
+    def update(self, k: int = 1) -> None:
+        pass
+
+    def set_description(self, desc: str) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- the plan dict
+
+
+def torch_llama_plan(sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan for :class:`fxshard.models.Llama` (torchtitan's).
+
+    ``Plan.from_torch(mesh, torch_llama_plan())`` equals ``Plan(mesh, llama_plan())``;
+    the step-time benchmark checks it and gives the same dict to both contenders.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan.update({
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "norm": SequenceParallel(),
+            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None)),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    if sequence_parallel or loss_parallel:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    return plan
+
+
+def localize_llama_heads(model: nn.Module, tp: int) -> nn.Module:
+    """After ``parallelize_module``, the attention's literal head counts must be local
+    (the usual step of DTensor tensor parallelism: its views see local tensors)."""
+    for layer in model.layers:
+        attn = layer.attention
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+        attn.q_size //= tp
+        attn.kv_size //= tp
+    return model
+
+
+# --------------------------------------------------------------------------- hand-written Megatron
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group_name), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _rows(w: torch.Tensor, rank: int, n: int) -> nn.Parameter:
+    return nn.Parameter(w.detach().chunk(n, 0)[rank].clone())
+
+
+def _cols(w: torch.Tensor, rank: int, n: int) -> nn.Parameter:
+    return nn.Parameter(w.detach().chunk(n, 1)[rank].clone())
+
+
+class _MegatronAttention(nn.Module):
+    def __init__(self, attn: nn.Module, rank: int, n: int, group_name: str):
+        super().__init__()
+        self.group_name = group_name
+        self.n_heads, self.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n
+        self.head_dim, self.half_dim, self.n_rep = attn.head_dim, attn.half_dim, attn.n_rep
+        self.wq = _rows(attn.wq.weight, rank, n)  # heads are contiguous rows: a chunk is whole heads
+        self.wk = _rows(attn.wk.weight, rank, n)
+        self.wv = _rows(attn.wv.weight, rank, n)
+        self.wo = _cols(attn.wo.weight, rank, n)
+
+    def _rope(self, x, freqs_cis, bsz, seqlen, heads):
+        x_ = torch.view_as_complex(x.float().reshape(bsz, seqlen, heads, -1, 2))
+        return torch.view_as_real(x_ * freqs_cis.view(1, seqlen, 1, self.half_dim)).flatten(3).type_as(x)
+
+    def forward(self, x, freqs_cis):
+        bsz, seqlen, _ = x.shape
+        x = _CopyToTP.apply(x, self.group_name)
+        q = F.linear(x, self.wq).view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = F.linear(x, self.wk).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = F.linear(x, self.wv).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q = self._rope(q, freqs_cis, bsz, seqlen, self.n_heads)
+        k = self._rope(k, freqs_cis, bsz, seqlen, self.n_kv_heads)
+        if self.n_rep > 1:
+            k = torch.repeat_interleave(k, self.n_rep, dim=2)
+            v = torch.repeat_interleave(v, self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)
+        return _ReduceFromTP.apply(F.linear(out, self.wo), self.group_name)
+
+
+class _MegatronFeedForward(nn.Module):
+    def __init__(self, ff: nn.Module, rank: int, n: int, group_name: str):
+        super().__init__()
+        self.group_name = group_name
+        self.w1, self.w3 = _rows(ff.w1.weight, rank, n), _rows(ff.w3.weight, rank, n)
+        self.w2 = _cols(ff.w2.weight, rank, n)
+
+    def forward(self, x):
+        x = _CopyToTP.apply(x, self.group_name)
+        h = F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3)
+        return _ReduceFromTP.apply(F.linear(h, self.w2), self.group_name)
+
+
+class _MegatronBlock(nn.Module):
+    def __init__(self, block: nn.Module, rank: int, n: int, group_name: str):
+        super().__init__()
+        self.attention_norm = copy.deepcopy(block.attention_norm)
+        self.attention = _MegatronAttention(block.attention, rank, n, group_name)
+        self.ffn_norm = copy.deepcopy(block.ffn_norm)
+        self.feed_forward = _MegatronFeedForward(block.feed_forward, rank, n, group_name)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MegatronLlama(nn.Module):
+    """Hand-written Megatron tensor parallelism of a :class:`fxshard.models.Llama`
+    (complex rope, unfused projections): q/k/v and w1/w3 column-parallel behind one
+    ``f`` (grad all-reduce), o and w2 row-parallel followed by ``g`` (all-reduce);
+    embedding, norms and LM head replicated.  No fx: the reference for the benchmarks.
+
+    Example::
+
+        local = MegatronLlama(model, rank=dist.get_rank(), n=2, group_name=dist.group.WORLD.group_name)
+        logits = local(ids)   # == model(ids) on every rank
+    """
+
+    def __init__(self, model: nn.Module, rank: int, n: int, group_name: str):
+        super().__init__()
+        a = model.args
+        if a.rope != "complex" or a.fused_qkv or a.fused_w13:
+            raise ValueError("MegatronLlama: written for rope='complex' and unfused projections")
+        if a.n_kv_heads % n:
+            raise ValueError(f"MegatronLlama: n_kv_heads={a.n_kv_heads} is not divisible by tp={n}")
+        self.tok_embeddings = copy.deepcopy(model.tok_embeddings)
+        self.layers = nn.ModuleList(_MegatronBlock(b, rank, n, group_name) for b in model.layers)
+        self.norm = copy.deepcopy(model.norm)
+        self.output = copy.deepcopy(model.output)
+        self.register_buffer("freqs_cis", model.freqs_cis.clone(), persistent=False)
+
+    def forward(self, tokens):
+        seqlen = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[:seqlen]
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], float]:
+    """The three contenders, and the single-device loss of the first step (their reference)."""
+    import fxshard
+    from fxshard.models import llama, llama_plan, tokens
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh.size()
+    model = llama(seed=0, **size.model_args()).to(device)
+    ids = tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device)
+    plan_dict = torch_llama_plan()
+    plan = fxshard.Plan.from_torch(mesh, plan_dict)
+    if plan != fxshard.Plan(mesh, llama_plan("tp")):
+        raise AssertionError(f"Plan.from_torch(torch_llama_plan()) differs from llama_plan():\n{plan}\n{fxshard.Plan(mesh, llama_plan('tp'))}")
+    group_name = mesh.get_group("tp").group_name
+    contenders = {
+        "megatron": MegatronLlama(model, mesh.get_local_rank("tp"), tp, group_name),
+        "fxshard": fxshard.transform(model, plan, example_inputs=(ids,)),
+        "dtensor": localize_llama_heads(parallelize_module(copy.deepcopy(model), mesh, plan_dict), tp),
+    }
+    with torch.no_grad():
+        targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
+        single = F.cross_entropy(model(ids).flatten(0, 1).float(), targets.flatten()).item()
+    return {name: contenders[name] for name in CONTENDERS}, single
+
+
+def _inductor_skip_reason(device: str) -> str | None:
+    if device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or shutil.which("clang++")):
+        return "no C++ compiler on PATH (inductor's CPU backend needs one)"
+    return None
+
+
+def _train_step(model, opt, ids, targets) -> torch.Tensor:
+    logits = model(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_block(size: StepSize, mode: str, mesh, device: str, warmup: int, iters: int, bar, profile_dir: str | None):
+    """Times every contender for one (size, mode): returns {contender: record} (this rank)."""
+    from fxshard.models import tokens
+
+    torch._dynamo.reset()
+    built, single = _build_contenders(size, mesh, device)
+    ids = tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device)
+    targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
+    runs = {}
+    for name, model in built.items():
+        fn = model if mode == "eager" else torch.compile(model, backend=mode)
+        runs[name] = {"fn": fn, "opt": torch.optim.SGD(model.parameters(), lr=0.01), "times": [], "losses": [],
+                      "first_step_s": None, "error": None}
+    order = list(built)
+    for it in range(warmup + iters):
+        k = it % len(order)  # rotate who goes first: no contender always follows the same one
+        for name in order[k:] + order[:k]:
+            r = runs[name]
+            if r["error"] is not None:
+                continue
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                loss = _train_step(r["fn"], r["opt"], ids, targets)
+                _sync(device)
+            except Exception as e:  # a backend that cannot compile this contender: report, go on
+                r["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                continue
+            dt = time.perf_counter() - t0
+            if it == 0:
+                r["first_step_s"] = dt
+            if it >= warmup:
+                r["times"].append(dt)
+            r["losses"].append(loss.item())
+            bar.update()
+    profiled = {}
+    if profile_dir is not None:
+        profiled = _profile(runs, ids, targets, size, mode, device, profile_dir, max(PROFILE_STEPS, iters // 3))
+    return {name: {k: v for k, v in r.items() if k not in ("fn", "opt")} | {"single_device_loss": single}
+            | profiled.get(name, {}) for name, r in runs.items()}
+
+
+_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
+PROFILE_STEPS = 5  # at least; short steps get more (a third of the timed steps), to average the noise
+
+
+def _profile(runs, ids, targets, size, mode, device, profile_dir, steps: int) -> dict[str, dict]:
+    """torch.profiler tables (self CPU time per op, over ``steps`` steps) of every
+    contender, written to ``profile_dir``; returns per contender the self CPU time per step
+    spent outside collectives (compute and framework overhead) and inside them (mostly
+    waiting for the peers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    summary = {}
+    for name in CONTENDERS:
+        r = runs[name]
+        if r["error"] is not None:
+            continue
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                _train_step(r["fn"], r["opt"], ids, targets)
+            _sync(device)
+        averages = prof.key_averages()
+        comm_us = sum(e.self_cpu_time_total for e in averages if e.key.startswith(_COMM_PREFIXES))
+        total_us = sum(e.self_cpu_time_total for e in averages)
+        summary[name] = dict(profile_cpu_ms=(total_us - comm_us) / 1e3 / steps,
+                             profile_comm_ms=comm_us / 1e3 / steps, profile_steps=steps)
+        if dist.get_rank() == 0:
+            table = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+            path = os.path.join(profile_dir, f"step_time_profile_{size.name}_{mode}_{name}.txt")
+            with open(path, "w") as fh:
+                fh.write(f"{name}, {size.name} ({size.describe()}), {mode}: {steps} training steps, rank 0\n"
+                         f"self CPU per step: {summary[name]['profile_cpu_ms']:.2f} ms outside collectives, "
+                         f"{summary[name]['profile_comm_ms']:.2f} ms in them (mostly waiting for the peer)\n\n{table}\n")
+    return summary
+
+
+def time_on_mesh(mesh, sizes: Iterable[StepSize], modes: Iterable[str] = ("eager", "aot_eager"), *, warmup: int = 2,
+                 iters: int | None = None, device: str = "cpu", profile_dir: str | None = None,
+                 show_progress: bool = True) -> list[dict]:
+    """The step-time comparison on an initialised 1-D ``("tp",)`` mesh; every rank calls
+    it and gets the same rows (step times are the max over ranks).  Progress on rank 0.
+
+    Example (inside each rank of a job, as ``python -m fxshard demo --bench`` does)::
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        print(bench.format_table(bench.time_on_mesh(mesh, [bench.SIZES["small"]], ["eager"])))
+    """
+    sizes, modes = list(sizes), list(modes)
+    rank = dist.get_rank()
+    steps = {s.name: iters if iters is not None else s.iters for s in sizes}  # timed steps per contender
+    total = sum(len(modes) * len(CONTENDERS) * (warmup + steps[s.name]) for s in sizes)
+    rows = []
+    with progress(total, "step time", enabled=show_progress and rank == 0) as bar:
+        for size in sizes:
+            for mode in modes:
+                bar.set_description(f"step time {size.name}/{mode}")
+                skip = _inductor_skip_reason(device) if mode == "inductor" else None
+                if skip:
+                    rows += [dict(size=size.name, mode=mode, contender=c, tp=mesh.size(), skipped=skip) for c in CONTENDERS]
+                    bar.update(len(CONTENDERS) * (warmup + steps[size.name]))
+                    continue
+                records = _time_block(size, mode, mesh, device, warmup, steps[size.name], bar, profile_dir)
+                rows += _rows_of(size, mode, records, steps[size.name], device, mesh.size())
+    return rows
+
+
+def _reduce(values: list[float], op, device: str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _rows_of(size: StepSize, mode: str, records: dict, iters: int, device: str, tp: int) -> list[dict]:
+    rows = []
+    ref_losses = records["megatron"]["losses"]
+    for name in CONTENDERS:
+        rec = records[name]
+        ok = _reduce([float(rec["error"] is None and len(rec["times"]) == iters)], dist.ReduceOp.MIN, device)[0]
+        if not ok:
+            rows.append(dict(size=size.name, mode=mode, contender=name, tp=tp,
+                             skipped=rec["error"] or "failed on another rank"))
+            continue
+        times = _reduce(rec["times"], dist.ReduceOp.MAX, device)  # a step takes as long as its slowest rank
+        first = _reduce([rec["first_step_s"]], dist.ReduceOp.MAX, device)[0]
+        # every step against the reference contender, and the first step against one device
+        diff = max([abs(a - b) for a, b in zip(rec["losses"], ref_losses)] + [abs(rec["losses"][0] - rec["single_device_loss"])])
+        rows.append(dict(size=size.name, mode=mode, contender=name, tp=tp, median_ms=1e3 * statistics.median(times),
+                         p10_ms=1e3 * _quantile(times, 0.1), p90_ms=1e3 * _quantile(times, 0.9),
+                         first_step_s=first, steps=len(rec["losses"]), loss_first=rec["losses"][0],
+                         loss_single_device=rec["single_device_loss"],
+                         loss_last=rec["losses"][-1], max_loss_diff=diff, times_ms=[1e3 * t for t in times],
+                         **{k: rec[k] for k in ("profile_cpu_ms", "profile_comm_ms", "profile_steps") if k in rec}))
+    ref = next((r for r in rows if r["contender"] == "megatron" and "median_ms" in r), None)
+    for r in rows:
+        if ref is not None and "median_ms" in r:
+            r["ratio_vs_megatron"] = r["median_ms"] / ref["median_ms"]
+    return rows
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world_size: int, port: int, kwargs: dict, out_path: str) -> None:
+    torch.set_num_threads(1)  # one core per rank: ranks must not fight over the CPUs
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        rows = _in_process(world_size, "cpu", **kwargs)
+        if rank == 0:
+            with open(out_path, "w") as fh:
+                json.dump(rows, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_process(tp: int, device: str, sizes, modes, warmup, iters, profile_dir, show_progress) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.split(":")[0], (tp,), mesh_dim_names=("tp",))
+    return time_on_mesh(mesh, sizes, modes, warmup=warmup, iters=iters, device=device, profile_dir=profile_dir,
+                        show_progress=show_progress)
+
+
+def run_step_time(sizes: Iterable[StepSize], tp: int = 2, modes: Iterable[str] = ("eager", "aot_eager"), *,
+                  warmup: int = 2, iters: int | None = None, device: str = "cpu", profile_dir: str | None = None,
+                  show_progress: bool = True) -> list[dict]:
+    """Times one training step of every contender; returns one row per (size, mode, contender).
+
+    ``iters`` timed steps per contender (default: each size's ``iters``) after ``warmup``.
+    On CPU, spawns ``tp`` gloo processes (one thread each).  Launched by ``torchrun``
+    (``RANK``/``WORLD_SIZE`` set), runs in this process on ``device`` with ``tp`` =
+    the world size (NCCL on CUDA); only rank 0 returns the rows, the others ``[]``.
+    ``profile_dir``: also write a torch.profiler table per contender there.
+
+    A row: ``size, mode, contender, tp, median_ms, p10_ms, p90_ms, ratio_vs_megatron,
+    first_step_s`` (includes compilation), ``loss_first, loss_single_device, loss_last,
+    max_loss_diff`` (the largest difference from the reference's loss at any
+    step, and of the first loss from the single-device one); or ``skipped`` with the reason.
+    """
+    sizes, modes = list(sizes), list(modes)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown modes {bad}; choose from {MODES}")
+    kwargs = dict(sizes=sizes, modes=modes, warmup=warmup, iters=iters, profile_dir=profile_dir,
+                  show_progress=show_progress)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _under_torchrun(device, kwargs)
+    if device != "cpu":
+        raise ValueError(f"device={device!r}: launch with torchrun for accelerators (one process per device)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rows.json")
+        spawn_ranks(_spawned, tp, kwargs, out_path)
+        with open(out_path) as fh:
+            return json.load(fh)
+
+
+def spawn_ranks(fn, nprocs: int, *args, attempts: int = 3) -> None:
+    """``mp.spawn(fn, (nprocs, port, *args))`` on a free 127.0.0.1 port; retried on a new
+    port when another job took the port between choosing and binding it (shared machines)."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(attempts):
+        try:
+            mp.spawn(fn, args=(nprocs, _free_port(), *args), nprocs=nprocs, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if attempt + 1 == attempts or not any(s in str(e) for s in ("EADDRINUSE", "Address already in use")):
+                raise
+
+
+def _under_torchrun(device: str, kwargs: dict) -> list[dict]:
+    cuda = device.startswith("cuda")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rows = _in_process(dist.get_world_size(), device, **kwargs)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return rows if int(os.environ["RANK"]) == 0 else []
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def summary_ratios(rows: list[dict]) -> list[dict]:
+    """Per (size, mode): fxshard / megatron and fxshard / dtensor (median step times)."""
+    out = []
+    keys = dict.fromkeys((r["size"], r["mode"]) for r in rows)
+    for size, mode in keys:
+        med = {r["contender"]: r.get("median_ms") for r in rows if r["size"] == size and r["mode"] == mode}
+        fx = med.get("fxshard")
+        out.append(dict(size=size, mode=mode,
+                        fxshard_vs_megatron=fx / med["megatron"] if fx and med.get("megatron") else None,
+                        fxshard_vs_dtensor=fx / med["dtensor"] if fx and med.get("dtensor") else None))
+    return out
+
+
+def format_table(rows: list[dict], title: str | None = None) -> str:
+    """The step-time table (one row per contender) and the fxshard ratios."""
+    buf = io.StringIO()
+    if title:
+        print(title, file=buf)
+    head = f"{'size':<6} {'mode':<10} {'contender':<9} {'median ms':>10} {'p10-p90 ms':>16} {'vs megatron':>11} {'1st step s':>10}  {'loss ok':<7}"
+    print(head, file=buf)
+    print("-" * len(head), file=buf)
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<9} skipped: {r['skipped']}", file=buf)
+            continue
+        spread = f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}"
+        ok = "yes" if r["max_loss_diff"] <= 1e-4 else f"NO ({r['max_loss_diff']:.1e})"
+        print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<9} {r['median_ms']:>10.2f} {spread:>16} "
+              f"{r.get('ratio_vs_megatron', float('nan')):>11.2f} {r['first_step_s']:>10.2f}  {ok:<7}", file=buf)
+    print(file=buf)
+    for s in summary_ratios(rows):
+        a = "n/a" if s["fxshard_vs_megatron"] is None else f"{s['fxshard_vs_megatron']:.2f}"
+        b = "n/a" if s["fxshard_vs_dtensor"] is None else f"{s['fxshard_vs_dtensor']:.2f}"
+        print(f"{s['size']:<6} {s['mode']:<10} fxshard/megatron = {a}   fxshard/dtensor = {b}", file=buf)
+    return buf.getvalue().rstrip("\n")
+
+
+def sizes_by_name(names: Iterable[str], **overrides) -> list[StepSize]:
+    """``SIZES[name]`` for each name, with field overrides (``batch=2``) applied to all."""
+    out = []
+    for n in names:
+        if n not in SIZES:
+            raise ValueError(f"unknown size {n!r}; choose from {list(SIZES)}")
+        out.append(replace(SIZES[n], **{k: v for k, v in overrides.items() if v is not None}))
+    return out
+
+
+def as_dict(size: StepSize) -> dict:
+    return asdict(size)

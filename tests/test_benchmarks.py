@@ -1,0 +1,158 @@
+"""Smoke tests of benchmarks/ and ``python -m fxshard demo --bench``: every script runs
+with tiny arguments, prints its table and writes a results JSON whose content is
+checked against what the script must have found (losses equal, the measured
+collectives equal the static summary and the Megatron formula, loss parallel saves
+memory ...).  Each runs in a subprocess (spawned ranks, its own process group)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.slow  # subprocesses with spawned ranks: ~1 minute in all
+
+
+def _run(args: list[str], timeout: float = 120) -> str:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """One results folder for the module: test_report reads what the others wrote."""
+    return tmp_path_factory.mktemp("results")
+
+
+def _results(path: Path):
+    payload = json.loads(path.read_text())
+    assert payload["command"].startswith("python benchmarks/") and payload["machine"]["torch"]
+    return payload["results"]
+
+
+def test_step_time(results):
+    out = results / "step_time.json"
+    text = _run([str(BENCH / "step_time.py"), "--sizes", "small", "--modes", "eager", "--iters", "2", "--warmup", "1",
+                 "--n-layers", "1", "--quiet", "--no-plot", "--out", str(out)])
+    assert "fxshard/megatron =" in text and "fxshard/dtensor =" in text
+    rows = _results(out)["rows"]
+    assert [r["contender"] for r in rows] == ["megatron", "fxshard", "dtensor"]
+    for r in rows:
+        assert r["steps"] == 3 and len(r["times_ms"]) == 2 and r["median_ms"] > 0
+        # same weights, same batch: every contender's loss equals one device's and the others'
+        assert abs(r["loss_first"] - r["loss_single_device"]) < 1e-4 and r["max_loss_diff"] < 1e-4
+        assert r["loss_last"] < r["loss_first"]  # SGD steps were taken
+    assert rows[0]["ratio_vs_megatron"] == 1.0
+    ratios = _results(out)["ratios"][0]
+    assert abs(ratios["fxshard_vs_dtensor"] - rows[1]["median_ms"] / rows[2]["median_ms"]) < 1e-9
+
+
+def test_communication(results):
+    out = results / "communication.json"
+    text = _run([str(BENCH / "communication.py"), "--tp", "2", "--cases",
+                 "llama_dense,llama_sp_loss_parallel,gpt2_dense,moe_expert_parallel", "--out", str(out)])
+    assert "minimum" in text
+    rows = {(r["case"], r["contender"]): r for r in _results(out)}
+    dense = rows["llama_dense", "fxshard"]
+    # Megatron: 2 all-reduces per layer forward, 2 backward (2 layers), of [4, 16, 64] fp32
+    assert (dense["forward"], dense["backward"], dense["by_kind"]) == (4, 4, "8 AR")
+    assert dense["buffer_bytes"] == 8 * 4 * 16 * 64 * 4
+    assert rows["llama_dense", "minimum"]["total"] == 8 and dense["wire_vs_min"] == 1.0
+    for case in ("llama_dense", "llama_sp_loss_parallel", "gpt2_dense"):
+        assert rows[case, "fxshard"]["static_ok"] == "yes" and rows[case, "fxshard"]["loss_ok"] == "yes", case
+    # DTensor syncs the input gradient of q, k, v, w1 and w3 one by one: 5 backward all-reduces per layer
+    dt = rows["llama_dense", "dtensor"]
+    assert (dt["backward"], dt["static_ok"], dt["loss_ok"]) == (10, "yes", "yes")
+    assert rows["gpt2_dense", "dtensor"]["note"].startswith("n/a")
+    # MoE (real ranks): per layer the count exchange, dispatch and combine forward, the two
+    # mirrors backward, plus the grad sync of the replicated (non-expert) parameters
+    moe = rows["moe_expert_parallel", "fxshard"]
+    assert (moe["forward"], moe["static_ok"], moe["loss_ok"]) == (6, "yes", "yes")
+    assert moe["by_kind"].endswith("+ 10 A2A") and moe["wire_vs_min"] == pytest.approx(1.0)
+
+
+def test_transform_time(results):
+    out = results / "transform_time.json"
+    text = _run([str(BENCH / "transform_time.py"), "--layers", "1,2", "--repeats", "1", "--no-plot", "--out", str(out)])
+    assert "growth 2/1 layers" in text
+    res = _results(out)
+    one, two = res["rows"]
+    assert two["traced_nodes"] > one["traced_nodes"] and two["nodes"] > one["nodes"]
+    assert {"normalize", "propagate", "redistribute", "_fresh_copy"} <= set(two["passes_s"])
+    assert res["growth"]["nodes"] == two["nodes"] / one["nodes"]
+
+
+def test_memory(results):
+    out = results / "memory.json"
+    text = _run([str(BENCH / "memory.py"), "--tp", "2", "--batch", "4", "--seqlen", "32", "--vocab", "4096",
+                 "--out", str(out)])
+    assert "loss parallel / gathered logits" in text
+    rows = {r["variant"]: r for r in _results(out)}
+    # logits are 4x32x4096 fp32 = 2 MiB; sharded in two with loss parallel
+    assert rows["gathered"]["logits_bytes"] == 4 * 32 * 4096 * 4
+    assert rows["loss parallel"]["logits_bytes"] == 4 * 32 * 4096 * 4 // 2
+    assert rows["loss parallel"]["param_bytes"] == rows["gathered"]["param_bytes"] < rows["dense"]["param_bytes"]
+    assert rows["loss parallel"]["peak_bytes"] < 0.75 * rows["gathered"]["peak_bytes"]
+    assert rows["gathered"]["peak_bytes"] >= 2 * rows["gathered"]["logits_bytes"]  # the profiler saw the logits
+
+
+def test_equivalence_script(results):
+    out = results / "equivalence.json"
+    _run([str(BENCH / "equivalence.py"), "--tp", "2", "--cases", "llama_dense", "--out", str(out)])
+    (row,) = _results(out)
+    assert row["ok"] == "yes" and row["max_abs_diff"] < 1e-4
+
+
+def test_demo_bench():
+    text = _run(["-m", "fxshard", "demo", "--steps", "1", "--bench", "--bench-modes", "eager", "--bench-iters", "2"])
+    assert "max |loss difference|" in text
+    table = text[text.index("step time of the demo model"):]
+    for name in ("megatron", "fxshard", "dtensor"):
+        assert f"demo   eager      {name}" in table
+    assert "NO" not in table  # every contender's loss agrees
+
+
+def test_gpu_script_is_well_formed():
+    script = BENCH / "gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    steps = subprocess.run(["bash", str(script), "--dry-run"], check=True, capture_output=True, text=True).stdout
+    assert "-m fxshard demo" in steps and "--device cuda" in steps and "inductor" in steps
+    assert "--nproc-per-node 1" in steps and "benchmarks/equivalence.py" in steps
+
+
+def test_megatron_minimum_formula():
+    """The analytical minimum, counted by hand for 3 layers (independent of the code's sums)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import communication as c
+    finally:
+        sys.path.remove(str(BENCH))
+    s = c.Shapes(batch=2, seqlen=8, dim=16, n_layers=3, vocab=64)
+    act = 2 * 8 * 16 * 4
+    dense = c.megatron_minimum(c.CASES["llama_dense"], s, 4)
+    assert (dense.count("forward"), dense.count("backward"), dense.buffer()) == (6, 6, 12 * act)
+    assert dense.wire() == 12 * act * 2 * 3 / 4
+    sp_lp = c.megatron_minimum(c.CASES["llama_sp_loss_parallel"], s, 4, norm_params=7 * 16)
+    # 12 AG + 12 RS in the layers, embedding RS + AG, head AG + RS, 3 scalar-per-token ARs, 1 bucketed AR
+    assert sp_lp.kinds() == "4 AR + 14 AG + 14 RS"
+    assert sp_lp.buffer() == 28 * act + 3 * 2 * 8 * 4 + 7 * 16 * 4
+
+
+def test_report(results):
+    """The README section from the results the tests above wrote (run after them)."""
+    if not (results / "step_time.json").exists():
+        pytest.skip("needs the results of the benchmark tests above")
+    text = _run([str(BENCH / "report.py"), "--results", str(results)])
+    assert text.startswith("## Performance")
+    for heading in ("**Step time**", "**Communication per training step**", "**Transform time**", "**Memory per rank**"):
+        assert heading in text
+    step = json.loads((results / "step_time.json").read_text())["results"]["ratios"][0]
+    assert f"**{step['fxshard_vs_megatron']:.2f}**" in text and f"**{step['fxshard_vs_dtensor']:.2f}**" in text

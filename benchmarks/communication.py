@@ -43,7 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.bench import localize_llama_heads, spawn_ranks, torch_llama_plan  # noqa: E402
+from fxshard.bench import localize_llama_heads, torch_llama_plan  # noqa: E402
+from fxshard.launch import spawn  # noqa: E402
 from fxshard.comm import comm_summary  # noqa: E402
 from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
 
@@ -372,39 +373,31 @@ def run_case(case: Case, s: Shapes, n: int) -> list[dict]:
 # --------------------------------------------------------------------------- MoE on real ranks
 
 
-def _moe_rank(rank: int, n: int, port: int, s: Shapes, out_path: str) -> None:
+def _moe_rank(rank: int, n: int, s: Shapes, out_path: str) -> None:
     """One rank of the MoE case: the collectives of one step, the local loss, the static counts."""
-    import datetime
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
-        model = WithLoss(_moe(s, n))
-        ids, tgt = tokens(s.batch, s.seqlen, s.vocab, seed=1), tokens(s.batch, s.seqlen, s.vocab, seed=2)
-        batch_sharded = {"tokens": {"ep": Shard(0)}, "targets": {"ep": Shard(0)}}
-        plan = fxshard.Plan(mesh, _fx_plan(CASES["moe_expert_parallel"]), inputs=batch_sharded)
-        sharded = fxshard.transform(model, plan, (ids, tgt))
-        static = comm_summary(sharded)
-        mine = slice(rank * s.batch // n, (rank + 1) * s.batch // n)
-        log = CollectiveLog()
-        loss = _step(log, lambda: sharded(ids[mine], tgt[mine]), sharded.parameters())
-        gathered = [None] * n
-        dist.all_gather_object(gathered, dict(calls=log.calls, loss=loss.item(),
-                                              static={p: static.count(p) for p in ("forward", "backward")}))
-        if rank == 0:
-            replicated = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
-            reference = F.cross_entropy(model.model(ids).flatten(0, 1), tgt.flatten()).item()
-            with open(out_path, "w") as fh:
-                json.dump(dict(ranks=gathered, replicated_params=replicated, reference=reference,
-                               n_experts=model.model.args.n_experts, top_k=model.model.args.top_k), fh)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
+    model = WithLoss(_moe(s, n))
+    ids, tgt = tokens(s.batch, s.seqlen, s.vocab, seed=1), tokens(s.batch, s.seqlen, s.vocab, seed=2)
+    batch_sharded = {"tokens": {"ep": Shard(0)}, "targets": {"ep": Shard(0)}}
+    plan = fxshard.Plan(mesh, _fx_plan(CASES["moe_expert_parallel"]), inputs=batch_sharded)
+    sharded = fxshard.transform(model, plan, (ids, tgt))
+    static = comm_summary(sharded)
+    mine = slice(rank * s.batch // n, (rank + 1) * s.batch // n)
+    log = CollectiveLog()
+    loss = _step(log, lambda: sharded(ids[mine], tgt[mine]), sharded.parameters())
+    gathered = [None] * n
+    dist.all_gather_object(gathered, dict(calls=log.calls, loss=loss.item(),
+                                          static={p: static.count(p) for p in ("forward", "backward")}))
+    if rank == 0:
+        replicated = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
+        reference = F.cross_entropy(model.model(ids).flatten(0, 1), tgt.flatten()).item()
+        with open(out_path, "w") as fh:
+            json.dump(dict(ranks=gathered, replicated_params=replicated, reference=reference,
+                           n_experts=model.model.args.n_experts, top_k=model.model.args.top_k), fh)
 
 
 def _run_moe_case(case: Case, s: Shapes, n: int) -> list[dict]:
@@ -414,7 +407,7 @@ def _run_moe_case(case: Case, s: Shapes, n: int) -> list[dict]:
         return [dict(case=case.name, contender="fxshard", note=f"skipped: batch {s.batch} is not divisible by {n} ranks")]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "moe.json")
-        spawn_ranks(_moe_rank, n, s, out_path)
+        spawn(_moe_rank, n, s, out_path)
         with open(out_path) as fh:
             got = json.load(fh)
     per_rank = [[tuple(c) for c in r["calls"]] for r in got["ranks"]]

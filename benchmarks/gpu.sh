@@ -28,7 +28,7 @@ TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
 STEPS=(nccl_demo simulated_cuda step_time)
 declare -A CMD
 CMD[nccl_demo]="${TORCHRUN[*]} -m fxshard demo --steps 5 --bench --bench-modes eager,aot_eager,inductor --bench-iters 20"
-CMD[simulated_cuda]="python benchmarks/equivalence.py --device cuda --tp 4 --out $OUT/simulated_cuda.json"
+CMD[simulated_cuda]="python benchmarks/device_equivalence.py --device cuda --tp 4 --out $OUT/simulated_cuda.json"
 CMD[step_time]="${TORCHRUN[*]} benchmarks/step_time.py --device cuda --sizes small,gpu --modes eager,inductor --iters 10 --warmup 3 --no-plot --quiet --out $OUT/step_time.json"
 
 if [ "$DRY" = 1 ]; then

@@ -25,7 +25,6 @@ free events that ``torch.profiler(profile_memory=True)`` records (max over ranks
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ from torch.distributed.tensor import Replicate  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan, colwise  # noqa: E402
-from fxshard.bench import spawn_ranks  # noqa: E402
+from fxshard.launch import spawn  # noqa: E402
 from fxshard.meta import KEY, TensorInfo  # noqa: E402
 from fxshard.models import WithLoss, llama, llama_plan, tokens  # noqa: E402
 
@@ -146,32 +145,26 @@ def measure_peak(module, ids, tgt) -> int:
     return peak_bytes(_step_fn(module, ids, tgt))
 
 
-def _rank(rank: int, world_size: int, port: int, cfg: dict, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _rank(rank: int, world_size: int, cfg: dict, out_path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-        model, ids, tgt = make(cfg)
-        peaks = {}
-        for variant in VARIANTS[1:]:
-            sharded = fxshard.transform(model, Plan(mesh, plan_of(variant)), (ids, tgt))
-            t = torch.tensor([measure_peak(sharded, ids, tgt)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            peaks[variant] = int(t.item())
-        if rank == 0:
-            with open(out_path, "w") as fh:
-                json.dump(peaks, fh)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model, ids, tgt = make(cfg)
+    peaks = {}
+    for variant in VARIANTS[1:]:
+        sharded = fxshard.transform(model, Plan(mesh, plan_of(variant)), (ids, tgt))
+        t = torch.tensor([measure_peak(sharded, ids, tgt)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peaks[variant] = int(t.item())
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(peaks, fh)
 
 
 def run_ranks(cfg: dict, tp: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "peaks.json")
-        spawn_ranks(_rank, tp, cfg, out_path)
+        spawn(_rank, tp, cfg, out_path)
         with open(out_path) as fh:
             return json.load(fh)
 

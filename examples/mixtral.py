@@ -24,19 +24,16 @@ reference below uses ``reduction="sum"`` on the full batch.
 """
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.moe import expert_parallel, softmax_topk
+from fxshard.launch import spawn
 from fxshard.moe_models import mixtral
 
 WORLD = 2
@@ -55,43 +52,34 @@ def train(model, ids, targets, steps=STEPS, lr=0.1):
     return losses
 
 
-def main(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 128, (4, 16), generator=g)  # the global batch; every rank builds the same
-        targets = torch.randint(0, 128, (4, 16), generator=g)
+def main(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16), generator=g)  # the global batch; every rank builds the same
+    targets = torch.randint(0, 128, (4, 16), generator=g)
 
-        model = mixtral(seed=0, n_experts=4, top_k=2)
-        plan = fxshard.Plan(mesh, {
-            "layers.*.block_sparse_moe": expert_parallel("ep", router=softmax_topk()),
-        }, inputs={"x": {"ep": Shard(0)}})
-        sharded = fxshard.transform(model, plan, example_inputs=(ids,))
-        if rank == 0:
-            print(fxshard.dump(sharded, region="layers.0.block_sparse_moe", recursive=True, source=False))
-            print()
-        print(f"rank {rank} holds experts", [k for k in sharded.state_dict() if k.startswith("layers.0.block_sparse_moe.experts.") and k.endswith("w1.weight")])
+    model = mixtral(seed=0, n_experts=4, top_k=2)
+    plan = fxshard.Plan(mesh, {
+        "layers.*.block_sparse_moe": expert_parallel("ep", router=softmax_topk()),
+    }, inputs={"x": {"ep": Shard(0)}})
+    sharded = fxshard.transform(model, plan, example_inputs=(ids,))
+    if rank == 0:
+        print(fxshard.dump(sharded, region="layers.0.block_sparse_moe", recursive=True, source=False))
+        print()
+    print(f"rank {rank} holds experts", [k for k in sharded.state_dict() if k.startswith("layers.0.block_sparse_moe.experts.") and k.endswith("w1.weight")])
 
-        mine = slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch
-        ours = [fxshard.all_reduce(loss, "ep").item() for loss in train(sharded, ids[mine], targets[mine])]
-        reference = [loss.item() for loss in train(mixtral(seed=0, n_experts=4, top_k=2), ids, targets)]
-        if rank == 0:
-            print(f"\n{'step':>4}  {'expert parallel':>15}  {'one device':>12}")
-            for i, (a, b) in enumerate(zip(ours, reference)):
-                print(f"{i:>4}  {a:>15.5f}  {b:>12.5f}")
-            worst = max(abs(a - b) / abs(b) for a, b in zip(ours, reference))
-            assert worst < 1e-5, f"losses differ by {worst:.2e} (relative)"
-            print(f"max relative difference {worst:.1e}: the same training run")
-    finally:
-        dist.destroy_process_group()
+    mine = slice(rank * 2, rank * 2 + 2)  # this rank's half of the batch
+    ours = [fxshard.all_reduce(loss, "ep").item() for loss in train(sharded, ids[mine], targets[mine])]
+    reference = [loss.item() for loss in train(mixtral(seed=0, n_experts=4, top_k=2), ids, targets)]
+    if rank == 0:
+        print(f"\n{'step':>4}  {'expert parallel':>15}  {'one device':>12}")
+        for i, (a, b) in enumerate(zip(ours, reference)):
+            print(f"{i:>4}  {a:>15.5f}  {b:>12.5f}")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, reference))
+        assert worst < 1e-5, f"losses differ by {worst:.2e} (relative)"
+        print(f"max relative difference {worst:.1e}: the same training run")
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(main, args=(port,), nprocs=WORLD, join=True)
+    spawn(main, WORLD)

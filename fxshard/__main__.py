@@ -1,6 +1,7 @@
 """``python -m fxshard``: the demo (main job) and the command-line tools.
 
     python -m fxshard demo            # 2 gloo ranks on CPU: dump one layer, train, compare
+    python -m fxshard demo --moe      # a tiny Mixtral, expert parallel: all-to-alls inside the MoE blocks
     python -m fxshard demo --bench    # ... then time a step: fxshard vs DTensor vs hand-written Megatron
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
     python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.models:llama_plan --mesh tp=4
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2, help="ranks to spawn on CPU (ignored under torchrun)")
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--layer", default="layers.0", help="module whose dump is printed")
+    demo.add_argument("--moe", action="store_true", help="a tiny Mixtral instead, expert parallel (batch sharded over 'ep')")
     demo.add_argument("--bench", action="store_true",
                       help="then time a training step: fxshard vs DTensor parallelize_module vs hand-written Megatron")
     demo.add_argument("--bench-modes", default="eager,aot_eager",

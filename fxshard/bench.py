@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import io
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,12 +39,14 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from .launch import spawn
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "StepSize", "SIZES", "MODES", "CONTENDERS", "torch_llama_plan", "MegatronLlama",
-    "run_step_time", "time_on_mesh", "spawn_ranks", "format_table", "summary_ratios", "progress",
+    "run_step_time", "time_on_mesh", "format_table", "summary_ratios", "progress",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -528,23 +528,11 @@ def _quantile(xs: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, world_size: int, port: int, kwargs: dict, out_path: str) -> None:
-    torch.set_num_threads(1)  # one core per rank: ranks must not fight over the CPUs
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        rows = _in_process(world_size, "cpu", **kwargs)
-        if rank == 0:
-            with open(out_path, "w") as fh:
-                json.dump(rows, fh)
-    finally:
-        dist.destroy_process_group()
+def _spawned(rank: int, world_size: int, kwargs: dict, out_path: str) -> None:
+    rows = _in_process(world_size, "cpu", **kwargs)
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(rows, fh)
 
 
 def _in_process(tp: int, device: str, sizes, modes, warmup, iters, profile_dir, show_progress) -> list[dict]:
@@ -583,23 +571,9 @@ def run_step_time(sizes: Iterable[StepSize], tp: int = 2, modes: Iterable[str] =
         raise ValueError(f"device={device!r}: launch with torchrun for accelerators (one process per device)")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rows.json")
-        spawn_ranks(_spawned, tp, kwargs, out_path)
+        spawn(_spawned, tp, kwargs, out_path)
         with open(out_path) as fh:
             return json.load(fh)
-
-
-def spawn_ranks(fn, nprocs: int, *args, attempts: int = 3) -> None:
-    """``mp.spawn(fn, (nprocs, port, *args))`` on a free 127.0.0.1 port; retried on a new
-    port when another job took the port between choosing and binding it (shared machines)."""
-    import torch.multiprocessing as mp
-
-    for attempt in range(attempts):
-        try:
-            mp.spawn(fn, args=(nprocs, _free_port(), *args), nprocs=nprocs, join=True)
-            return
-        except mp.ProcessRaisedException as e:
-            if attempt + 1 == attempts or not any(s in str(e) for s in ("EADDRINUSE", "Address already in use")):
-                raise
 
 
 def _under_torchrun(device: str, kwargs: dict) -> list[dict]:

@@ -5,20 +5,11 @@ CUDA machine it uses NCCL, one GPU per rank.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from . import launch
 
 
 def _train(model, step_inputs, steps, lr=0.05, show_progress=False):
@@ -44,12 +35,13 @@ def _step(model, opt, step_inputs) -> float:
     return loss.item()
 
 
-def _rank_main(rank: int, world_size: int, args, device: str) -> None:
+def _rank_main(rank: int, world_size: int, args) -> None:
     import fxshard
     from fxshard.models import llama, llama_plan, tokens
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    device = launch.device()
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     model = llama(seed=0, n_heads=8, n_kv_heads=4 if world_size <= 4 else world_size).to(device)
     ids = tokens(4, 16, model.args.vocab_size, seed=1).to(device)
@@ -101,26 +93,11 @@ def _bench(rank: int, world_size: int, args, device: str, model) -> None:
               "parallelize_module with the same plan dict.  Full benchmark: python benchmarks/step_time.py")
 
 
-def _spawned(rank: int, world_size: int, port: int, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        _rank_main(rank, world_size, args, "cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def run_demo(args) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        cuda = torch.cuda.is_available()
-        dist.init_process_group("nccl" if cuda else "gloo")
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        try:
-            _rank_main(dist.get_rank(), dist.get_world_size(), args, "cuda" if cuda else "cpu")
-        finally:
-            dist.destroy_process_group()
-        return 0
-    mp.spawn(_spawned, args=(args.world_size, _free_port(), args), nprocs=args.world_size, join=True)
+    """``python -m fxshard demo``: gloo processes on CPU, or torchrun's ranks (NCCL on CUDA)."""
+    if getattr(args, "moe", False):
+        from .moe_models import run_moe_demo
+
+        return run_moe_demo(args.world_size, args.steps, args.layer)
+    launch.run(_rank_main, args.world_size, args)
     return 0

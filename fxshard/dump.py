@@ -14,7 +14,6 @@ graph that communicates, the calls and bytes of one step forward and backward
 from __future__ import annotations
 
 import os
-import re
 
 import torch.fx as fx
 

@@ -271,69 +271,55 @@ def mixtral_plan(ep: str = "ep", tp: str | None = None) -> dict:
 # --------------------------------------------------------------------------- the demo
 
 
-def _demo_rank(rank: int, world_size: int, port: int, steps: int, layer: str) -> None:
-    import datetime
-
-    import torch.distributed as dist
+def _demo_rank(rank: int, world_size: int, steps: int, layer: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
     import fxshard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-        model = mixtral(seed=0, n_experts=2 * world_size)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 128, (2 * world_size, 16), generator=g)
-        targets = torch.randint(0, 128, (2 * world_size, 16), generator=g)
-        sharded = fxshard.transform(model, fxshard.Plan(mesh, mixtral_plan("ep"), inputs={"x": {"ep": Shard(0)}}), (ids,))
-        if rank == 0:
-            print(f"fxshard MoE demo: Mixtral-style model, {model.args.n_experts} experts (top-{model.args.top_k}), "
-                  f"expert parallel on {world_size} gloo ranks, batch sharded over 'ep'\n")
-            print(fxshard.dump(sharded, region=f"{layer}.*", recursive=True))
-            print()
-        n = ids.shape[0] // world_size
-        mine = slice(rank * n, (rank + 1) * n)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    model = mixtral(seed=0, n_experts=2 * world_size)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2 * world_size, 16), generator=g)
+    targets = torch.randint(0, 128, (2 * world_size, 16), generator=g)
+    sharded = fxshard.transform(model, fxshard.Plan(mesh, mixtral_plan("ep"), inputs={"x": {"ep": Shard(0)}}), (ids,))
+    if rank == 0:
+        print(f"fxshard MoE demo: Mixtral-style model, {model.args.n_experts} experts (top-{model.args.top_k}), "
+              f"expert parallel on {world_size} gloo ranks, batch sharded over 'ep'\n")
+        print(fxshard.dump(sharded, region=f"{layer}.*", recursive=True))
+        print()
+    n = ids.shape[0] // world_size
+    mine = slice(rank * n, (rank + 1) * n)
 
-        def train(m, x, t):
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            losses = []
-            for _ in range(steps):
-                loss = F.cross_entropy(m(x).flatten(0, 1), t.flatten(), reduction="sum")
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
-            return losses
+    def train(m, x, t):
+        opt = torch.optim.SGD(m.parameters(), lr=0.005)  # the loss is a sum over tokens
+        losses = []
+        for _ in range(steps):
+            loss = F.cross_entropy(m(x).flatten(0, 1), t.flatten(), reduction="sum")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
 
-        ours = train(sharded, ids[mine], targets[mine])
-        ours = [fxshard.all_reduce(l, "ep").item() for l in ours]  # the sum of the per-rank losses
-        reference = train(mixtral(seed=0, n_experts=2 * world_size), ids, targets)
-        if rank == 0:
-            print(f"{'step':>4}  {'fxshard loss':>13}  {'1-device loss':>13}  {'|diff|':>9}")
-            for i, (a, b) in enumerate(zip(ours, reference)):
-                print(f"{i:>4}  {a:>13.5f}  {b.item():>13.5f}  {abs(a - b.item()):>9.2e}")
-            worst = max(abs(a - b.item()) / max(1.0, abs(b.item())) for a, b in zip(ours, reference))
-            print(f"\nmax relative loss difference over {steps} SGD steps: {worst:.2e}")
-            if worst > 1e-4:
-                raise SystemExit(f"fxshard MoE demo: sharded and single-device losses differ by {worst:.2e}")
-    finally:
-        dist.destroy_process_group()
+    ours = train(sharded, ids[mine], targets[mine])
+    ours = [fxshard.all_reduce(l, "ep").item() for l in ours]  # the sum of the per-rank losses
+    reference = train(mixtral(seed=0, n_experts=2 * world_size), ids, targets)
+    if rank == 0:
+        print(f"{'step':>4}  {'fxshard loss':>13}  {'1-device loss':>13}  {'|diff|':>9}")
+        for i, (a, b) in enumerate(zip(ours, reference)):
+            print(f"{i:>4}  {a:>13.5f}  {b.item():>13.5f}  {abs(a - b.item()):>9.2e}")
+        worst = max(abs(a - b.item()) / max(1.0, abs(b.item())) for a, b in zip(ours, reference))
+        print(f"\nmax relative loss difference over {steps} SGD steps: {worst:.2e}")
+        if worst > 1e-4:
+            raise SystemExit(f"fxshard MoE demo: sharded and single-device losses differ by {worst:.2e}")
 
 
 def run_moe_demo(world_size: int = 2, steps: int = 3, layer: str = "layers.0") -> int:
     """``python -m fxshard demo --moe``: a tiny Mixtral, expert parallel over
     ``world_size`` gloo ranks on CPU: dump one layer (with the all-to-alls inside the
     MoE block), train a few SGD steps and compare the loss with one device."""
-    import socket
+    from .launch import spawn
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_demo_rank, args=(world_size, port, steps, layer), nprocs=world_size, join=True)
+    spawn(_demo_rank, world_size, steps, layer)
     return 0

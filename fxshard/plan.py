@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .errors import PlanError
 from .layout import complete, fmt_layout
-from .mesh import Mesh, MeshSpec, mesh_shape
+from .mesh import Mesh, mesh_shape
 
 LayoutLike = Any  # {axis: Placement} or a bare Placement on a 1-D mesh
 

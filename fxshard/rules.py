@@ -544,7 +544,6 @@ def split(ctx: Ctx):
     nd = len(x.shape)
     dim = ctx.arg(2, "dim", 0)
     dim = dim + nd if dim < 0 else dim
-    how = ctx.arg(1)
     for axis, p in x.layout.items():
         if isinstance(p, Shard) and p.dim == dim:
             pieces = [v.shape[dim] for v in ctx.val]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode

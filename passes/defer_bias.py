@@ -15,7 +15,6 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Shard
 
 from fxshard import runtime

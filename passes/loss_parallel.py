@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard.boundary import region_input, region_output
-from fxshard.errors import PlacementMismatchError, PlanError, node_error
+from fxshard.errors import PlacementMismatchError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.rules import Ctx, rule_for
@@ -153,7 +153,7 @@ def _apply_rule(node: fx.Node, axes):
         # An op without a rule may run only when every tensor it sees is Replicate.
         bad = [(a, ti) for a, ti in tensors if not is_replicate(ti.layout)]
         if bad:
-            raise ctx.fail(f"fxshard has no layout rule for this op and it receives non-replicated inputs",
+            raise ctx.fail("fxshard has no layout rule for this op and it receives non-replicated inputs",
                            "make its inputs Replicate in the plan, move it inside a local region (ModuleSpec(local=True)), "
                            "or file an issue for a rule")
         val = node.meta.get("val")

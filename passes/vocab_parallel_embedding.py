@@ -17,7 +17,6 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import node_error

@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import math
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import socket
@@ -68,6 +69,7 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple
     # Skip interpreter teardown: under load, c10d's background threads can abort the
     # process at exit ("terminate called without an active exception") after the work
     # has passed; the result is already known here.
+    multiprocessing.util._exit_function()  # Python-level finalizers (locks, queues) still run
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -105,8 +105,8 @@ def test_memory(results):
 
 
 def test_equivalence_script(results):
-    out = results / "equivalence.json"
-    _run([str(BENCH / "equivalence.py"), "--tp", "2", "--cases", "llama_dense", "--out", str(out)])
+    out = results / "device_equivalence.json"
+    _run([str(BENCH / "device_equivalence.py"), "--tp", "2", "--cases", "llama_dense", "--out", str(out)])
     (row,) = _results(out)
     assert row["ok"] == "yes" and row["max_abs_diff"] < 1e-4
 
@@ -125,7 +125,7 @@ def test_gpu_script_is_well_formed():
     subprocess.run(["bash", "-n", str(script)], check=True)
     steps = subprocess.run(["bash", str(script), "--dry-run"], check=True, capture_output=True, text=True).stdout
     assert "-m fxshard demo" in steps and "--device cuda" in steps and "inductor" in steps
-    assert "--nproc-per-node 1" in steps and "benchmarks/equivalence.py" in steps
+    assert "--nproc-per-node 1" in steps and "benchmarks/device_equivalence.py" in steps
 
 
 def test_megatron_minimum_formula():

@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan, colwise

@@ -38,7 +38,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+def run_rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    """One spawned rank: join the gloo group on 127.0.0.1:``port``, run
+    ``fn(rank, world_size, *args)``, leave together with the peers."""
     torch.set_num_threads(1)  # one core per rank: ranks must not fight over the CPUs
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=600))
@@ -64,7 +66,7 @@ def spawn(fn: Callable, world_size: int, *args, attempts: int = 3) -> None:
 
     for attempt in range(attempts):
         try:
-            mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+            mp.spawn(run_rank, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
             return
         except mp.ProcessRaisedException as e:
             if attempt + 1 == attempts or not any(s in str(e) for s in ("EADDRINUSE", "Address already in use")):

@@ -23,14 +23,10 @@ Simulated ranks::
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import multiprocessing.connection
-import multiprocessing.util
 import os
 import pickle
-import socket
-import sys
 import time
 from typing import Callable, Iterator
 
@@ -39,40 +35,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fxshard.launch import free_port, run_rank
+
 __all__ = ["free_port", "spawn", "simulated", "rank_map", "rank_value", "ranks_of", "make_mesh", "plain"]
 
 SPAWN_TIMEOUT_S = float(os.environ.get("FXSHARD_SPAWN_TIMEOUT", "300"))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=SPAWN_TIMEOUT_S),
-    )
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()  # no rank tears down while a peer still communicates
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter teardown: under load, c10d's background threads can abort the
-    # process at exit ("terminate called without an active exception") after the work
-    # has passed; the result is already known here.
-    multiprocessing.util._exit_function()  # Python-level finalizers (locks, queues) still run
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float | None = None) -> None:
@@ -88,7 +55,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float | None = None) ->
     timeout = SPAWN_TIMEOUT_S if timeout is None else timeout
     name = getattr(fn, "__qualname__", repr(fn))
     port = free_port()
-    ctx = mp.spawn(_rank_entry, args=(fn, world_size, port, args), nprocs=world_size, join=False, start_method="spawn")
+    ctx = mp.spawn(run_rank, args=(fn, world_size, port, args), nprocs=world_size, join=False, start_method="spawn")
     procs = ctx.processes
     deadline = time.monotonic() + timeout
     try:

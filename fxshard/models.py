@@ -554,10 +554,10 @@ def gpt2_plan(axis: str = "tp", *, sequence_parallel: bool = False, loss_paralle
 
     The fused ``c_attn`` is sharded part by part (q | k | v); the row-parallel biases
     are added once after the reduction; the token embedding is vocab-parallel (so a
-    tied LM head is sharded the same way).  ``sequence_parallel``: every block takes
-    its residual stream sequence-sharded (block 0 slices the replicated embedding sum
-    locally), norms run on shards, attention/MLP gather once on entry and
-    reduce-scatter on exit.  ``loss_parallel``: vocab-sharded logits for a
+    tied LM head is sharded the same way).  ``sequence_parallel``: the token embedding
+    reduce-scatters onto the sequence and the positions are sliced to match, so the
+    residual stream is sequence-sharded from the start; norms run on shards,
+    attention/MLP gather once on entry and reduce-scatter on exit.  ``loss_parallel``: vocab-sharded logits for a
     loss-parallel cross-entropy.
     """
     from torch.distributed.tensor import Replicate, Shard
@@ -567,7 +567,7 @@ def gpt2_plan(axis: str = "tp", *, sequence_parallel: bool = False, loss_paralle
     a = args or GPT2Args()
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "wte": vocab_parallel(axis),
+        "wte": vocab_parallel(axis, out=seq),
         "h.*.attn.c_attn": colwise(axis, splits=[a.dim, a.dim, a.dim]),
         "h.*.attn.c_proj": rowwise(axis, out=seq),
         "h.*.mlp.c_fc": colwise(axis),
@@ -576,7 +576,8 @@ def gpt2_plan(axis: str = "tp", *, sequence_parallel: bool = False, loss_paralle
     }
     if sequence_parallel:
         plan.update({
-            "h.*": ModuleSpec(inputs={"x": {axis: Shard(1)}}, style="prepare_input"),
+            # positions [S, D] sliced like the token embeddings [B, S, D] (no communication)
+            "wpe": ModuleSpec(out_dst={axis: Shard(0)}, style="sequence_shard"),
             "h.*.ln_1": seq_norm(axis), "h.*.ln_2": seq_norm(axis), "ln_f": seq_norm(axis),
             "h.*.attn": _gather_input(axis), "h.*.mlp": _gather_input(axis),
         })

@@ -101,8 +101,8 @@ class TestGoldenDumps(TestCase):
         ids, tgt = tokens(2, 8, V), tokens(2, 8, V, seed=1)
         gm = fxshard.transform(_model("gpt2"), Plan(MeshSpec(("tp",), (2,)), _plan("gpt2", True)), (ids, tgt))
         self.assertExpectedInline(fxshard.dump(gm, region="model.h.0.*", source=False), """\
-fxshard dump of WithLoss  mesh: tp=2  nodes: 49  collectives: 25 (all_gather@tp x5, all_reduce@tp x1, grad_sync@tp x14, reduce_scatter@tp x4, shard@tp x1)
-communication per step: forward 13 (40.2 KiB)  backward 24 (43.5 KiB)
+fxshard dump of WithLoss  mesh: tp=2  nodes: 49  collectives: 25 (all_gather@tp x5, grad_sync@tp x14, reduce_scatter@tp x5, shard@tp x1)
+communication per step: forward 13 (40.2 KiB)  backward 25 (45.5 KiB)
    node                          op             target                                                                        tp                local                             global                            dtype    module
    model_h_0_ln_1_weight         get_attr       model.h.0.ln_1.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_1
    model_h_0_ln_1_bias           get_attr       model.h.0.ln_1.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_1
@@ -132,7 +132,7 @@ communication per step: forward 13 (40.2 KiB)  backward 24 (43.5 KiB)
    model_h_0_attn_c_proj_weight  get_attr       model.h.0.attn.c_proj.weight                                                  S(1)              [64, 32]                          [64, 64]                          float32  model.h.0.attn.c_proj
    model_h_0_attn_c_proj_bias    get_attr       model.h.0.attn.c_proj.bias                                                    R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
    linear_1                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
->> reduce_scatter                call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
+>> reduce_scatter_1              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
 >> grad_sync_2                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
    add_5                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
    add_1                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0
@@ -149,7 +149,7 @@ communication per step: forward 13 (40.2 KiB)  backward 24 (43.5 KiB)
    model_h_0_mlp_c_proj_weight   get_attr       model.h.0.mlp.c_proj.weight                                                   S(1)              [64, 128]                         [64, 256]                         float32  model.h.0.mlp.c_proj
    model_h_0_mlp_c_proj_bias     get_attr       model.h.0.mlp.c_proj.bias                                                     R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
    linear_3                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
->> reduce_scatter_1              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
+>> reduce_scatter_2              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
 >> grad_sync_5                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
    add_6                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
    add_2                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0""")

@@ -75,6 +75,7 @@ def grad_sync(gm: fx.GraphModule) -> fx.GraphModule:
                     m.value, m.region, m.rule = info(value).value, info(consumer).region, "grad sync"
                     s.meta["val"] = value.meta.get("val")
                     s.meta["nn_module_stack"] = consumer.meta.get("nn_module_stack", {})
+                    s.meta["stack_trace"] = consumer.meta.get("stack_trace")
                     synced[key] = s
                 prefix = key
             consumer.replace_input_with(value, synced[prefix])

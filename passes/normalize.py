@@ -70,6 +70,7 @@ def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
         spec = hit[1] if hit else None
         if spec is not None and spec.local:
             continue  # opaque region: stays a call_module
+        first_new = node.prev  # the nodes made below land between it and ``node``
         with graph.inserting_before(node):
             x = node.args[0]
             marked = spec is not None and spec.declares_boundary()
@@ -82,7 +83,7 @@ def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
                     graph.erase_node(x)
                 continue
             out = graph.call_function(region_output, (new, node.target, "output")) if marked else new
-        for n in _nodes_between(x if marked else new, out):
+        for n in _nodes_between(first_new.next, out):
             n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
             if "val" in node.meta and n.op != "get_attr":
                 n.meta["val"] = node.meta["val"] if n is not x else node.args[0].meta.get("val")

@@ -47,7 +47,7 @@ class TestGoldens(expecttest.TestCase):
   {"name": "x", "op": "placeholder", "target": "x", "layout": {"tp": "R"}, "local_shape": [2, 8], "shape": [2, 8], "dtype": "float32", "module": "", "source": null, "rule": "plan input", "collective": null},
   {"name": "fc1_weight", "op": "get_attr", "target": "fc1.weight", "layout": {"tp": "S(0)"}, "local_shape": [8, 8], "shape": [16, 8], "dtype": "float32", "module": "fc1", "source": "models.py:forward+1", "rule": "plan param", "collective": null},
   {"name": "fc1_bias", "op": "get_attr", "target": "fc1.bias", "layout": {"tp": "S(0)"}, "local_shape": [8], "shape": [16], "dtype": "float32", "module": "fc1", "source": "models.py:forward+1", "rule": "plan param", "collective": null},
-  {"name": "grad_sync", "op": "call_function", "target": "fxshard.grad_sync", "layout": {"tp": "R"}, "local_shape": [2, 8], "shape": [2, 8], "dtype": "float32", "module": "fc1", "source": null, "rule": "grad sync", "collective": {"op": "grad_sync", "axis": "tp", "fwd": "identity", "bwd": "all-reduce", "purpose": "grad of x"}},
+  {"name": "grad_sync", "op": "call_function", "target": "fxshard.grad_sync", "layout": {"tp": "R"}, "local_shape": [2, 8], "shape": [2, 8], "dtype": "float32", "module": "fc1", "source": "models.py:forward+1", "rule": "grad sync", "collective": {"op": "grad_sync", "axis": "tp", "fwd": "identity", "bwd": "all-reduce", "purpose": "grad of x"}},
   {"name": "linear", "op": "call_function", "target": "F.linear", "layout": {"tp": "S(1)"}, "local_shape": [2, 8], "shape": [2, 16], "dtype": "float32", "module": "fc1", "source": "models.py:forward+1", "rule": "linear", "collective": null},
   {"name": "gelu", "op": "call_function", "target": "F.gelu", "layout": {"tp": "S(1)"}, "local_shape": [2, 8], "shape": [2, 16], "dtype": "float32", "module": "", "source": "models.py:forward+2", "rule": "pointwise (nonlinear)", "collective": null},
   {"name": "fc2_weight", "op": "get_attr", "target": "fc2.weight", "layout": {"tp": "S(1)"}, "local_shape": [8, 8], "shape": [8, 16], "dtype": "float32", "module": "fc2", "source": "models.py:forward+3", "rule": "plan param", "collective": null},
@@ -85,7 +85,7 @@ digraph "MLP" {
     label="fc1"; style="rounded"; color="#999999"; fontname="Helvetica";
     "fc1_weight" [label="fc1_weight\\nfc1.weight\\ntp=S(0)  [8, 8]", fillcolor="#9ecae1", tooltip="fc1  models.py:forward+1  global [16, 8]", shape="cylinder"];
     "fc1_bias" [label="fc1_bias\\nfc1.bias\\ntp=S(0)  [8]", fillcolor="#9ecae1", tooltip="fc1  models.py:forward+1  global [16]", shape="cylinder"];
-    "grad_sync" [label="grad_sync\\ngrad_sync on tp\\nfwd identity\\nbwd all-reduce\\ntp=R  [2, 8]", fillcolor="#e0e0e0", tooltip="fc1  global [2, 8]", shape="hexagon", color="#d62728", penwidth="2.5", style="filled,bold"];
+    "grad_sync" [label="grad_sync\\ngrad_sync on tp\\nfwd identity\\nbwd all-reduce\\ntp=R  [2, 8]", fillcolor="#e0e0e0", tooltip="fc1  models.py:forward+1  global [2, 8]", shape="hexagon", color="#d62728", penwidth="2.5", style="filled,bold"];
     "linear" [label="linear\\nF.linear\\ntp=S(1)  [2, 8]", fillcolor="#9ecae1", tooltip="fc1  models.py:forward+1  global [2, 16]"];
   }
   subgraph "cluster_1" {

@@ -73,25 +73,77 @@ def _mark_outputs(tracer: fx.Tracer, out, fqn: str, out_names):
     return mark(out, (out_names or ("output",))[0])
 
 
-def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = ()) -> fx.GraphModule:
-    """Trace ``model`` for fxshard.
+CAPTURES = ("auto", "fx", "export")
+
+
+def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), example_kwargs: dict | None = None, *,
+          capture: str = "auto", dynamic_shapes=None) -> fx.GraphModule:
+    """Capture ``model`` into the graph fxshard rewrites.
 
     Example::
 
         gm = fxshard.trace(model, plan, (tokens,))
         print(gm.code)   # region_input/region_output mark the planned modules
 
-    ``example_inputs`` are the single-device (global) inputs; when given, every node's
-    ``meta["val"]`` holds a fake tensor with its global shape.
+        gm = fxshard.trace(hf_model, plan, example_kwargs={"input_ids": ids, "labels": labels})
+
+    ``capture``: ``"fx"`` is ``torch.fx.symbolic_trace`` (readable graphs of models
+    written to be traced, opaque local regions kept as modules); ``"export"`` is
+    non-strict ``torch.export`` (:mod:`fxshard.frontend.capture`: any model export can
+    capture, HF transformers and torchtitan among them; batch and sequence stay dynamic,
+    ``dynamic_shapes`` overrides which dims); ``"auto"`` tries fx first and exports
+    when symbolic tracing fails or keyword inputs are given.  ``example_inputs`` /
+    ``example_kwargs`` are the single-device (global) inputs; when given, every node's
+    ``meta["val"]`` holds a fake tensor with its global shape.  The model is not modified.
     """
+    if capture not in CAPTURES:
+        raise PlanError(f"trace: capture={capture!r}; use one of {CAPTURES}")
+    if capture == "fx" or (capture == "auto" and not example_kwargs):
+        try:
+            gm = _fx_trace(model, plan)
+        except PlanError:
+            raise
+        except Exception as e:  # control flow on proxies, unpacked shapes, ...: not fx-traceable
+            if capture == "fx":
+                raise PlanError(f"torch.fx.symbolic_trace cannot trace {type(model).__name__}: {type(e).__name__}: {e}; "
+                                f"use capture='export' (torch.export) instead") from e
+            gm = None
+        if gm is not None:
+            if example_inputs or example_kwargs:
+                from .frontend.capture import flat_inputs
+
+                record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
+            return gm
+    from .frontend.capture import capture as export_capture, flat_inputs
+
+    gm = export_capture(model, plan, example_inputs, example_kwargs, dynamic_shapes)
+    keep_non_persistent(model, gm)
+    if example_inputs or example_kwargs:
+        record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
+    return gm
+
+
+def _fx_trace(model: nn.Module, plan) -> fx.GraphModule:
     tracer = ShardTracer(plan)
     graph = tracer.trace(model)
     name = model.__class__.__name__ if isinstance(model, nn.Module) else model.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     keep_non_persistent(tracer.root, gm)
-    if example_inputs:
-        record_shapes(gm, example_inputs)
+    gm.meta["captured_by"] = "torch.fx"
     return gm
+
+
+def keep_codegen(src: fx.GraphModule, dst: fx.GraphModule) -> None:
+    """Carry a captured graph's pytree calling convention (``model(input_ids=...)`` in,
+    the model's ``ModelOutput`` out) over to a copy of it."""
+    import copy
+
+    dst.graph._codegen = copy.deepcopy(src.graph._codegen)
+    if hasattr(src, "_in_spec"):
+        dst._in_spec = src._in_spec
+    if hasattr(src, "_out_spec"):
+        dst._out_spec = src._out_spec
+    dst.recompile()
 
 
 def keep_non_persistent(src: nn.Module, gm: fx.GraphModule) -> None:

@@ -14,7 +14,8 @@ from . import runtime
 from .errors import PlanError
 from .meta import KEY
 from .plan import Plan
-from .trace import keep_non_persistent, record_shapes, trace
+from .frontend.capture import flat_inputs
+from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
 from .passes.regions import regions
@@ -31,7 +32,8 @@ from .passes.shard_state import shard_state
 from .passes.cleanup import cleanup
 
 
-def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> fx.GraphModule:
+def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None,
+              example_kwargs: dict | None = None, *, capture: str = "auto", dynamic_shapes=None) -> fx.GraphModule:
     """Rewrite a model into the per-rank program of ``plan``; returns a new GraphModule.
 
     Example::
@@ -41,15 +43,21 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         sharded = fxshard.transform(model, plan, example_inputs=(x,))
         y_local = sharded(x)          # every rank passes its inputs per plan.inputs
 
-    ``gm_or_module`` is an ``nn.Module`` (traced with :func:`fxshard.trace`), a
-    GraphModule from :func:`fxshard.trace`, or one from plain ``torch.fx.symbolic_trace``
-    (then ``example_inputs`` are required).  ``example_inputs`` are the single-device
-    (global) inputs.  The input is never mutated, also when the transform fails.  The
+    An HF model is called with keywords, and keeps its output structure::
+
+        plan = fxshard.Plan.from_hf(mesh, model)
+        sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
+        sharded(input_ids=ids, labels=labels).loss.backward()
+
+    ``gm_or_module`` is an ``nn.Module`` (captured with :func:`fxshard.trace`; ``capture``
+    and ``dynamic_shapes`` are passed on), a GraphModule from :func:`fxshard.trace`, or
+    one from plain ``torch.fx.symbolic_trace`` (then example inputs are required).
+    ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The input is never mutated, also when the transform fails.  The
     plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
     """
     with _gc_paused():
         with maybe_disable_local_tensor_mode():
-            gm = _fresh_copy(gm_or_module, plan, example_inputs)
+            gm = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
             axes = plan.axes
             normalize(gm, plan)
             regions(gm, plan)
@@ -83,20 +91,22 @@ def _gc_paused():
             gc.enable()
 
 
-def _fresh_copy(obj, plan, example_inputs) -> fx.GraphModule:
+def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shapes) -> fx.GraphModule:
     if isinstance(obj, fx.GraphModule):
         gm = _copy_graph_module(obj)
         outline_regions(gm, plan)  # before shapes: MoE routing cannot run on fake tensors
-        if example_inputs is not None:
-            record_shapes(gm, example_inputs)
+        if example_inputs is not None or example_kwargs:
+            record_shapes(gm, flat_inputs(gm, example_inputs or (), example_kwargs))
         elif any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
             raise PlanError("this GraphModule has no recorded shapes: pass example_inputs= (the single-device inputs) "
                             "to fxshard.transform, or trace it with fxshard.trace(model, plan, example_inputs)")
         return gm
     if isinstance(obj, nn.Module):
-        if example_inputs is None:
-            raise PlanError("transforming an nn.Module needs example_inputs= (the single-device inputs)")
-        return trace(copy.deepcopy(obj), plan, example_inputs)
+        if example_inputs is None and not example_kwargs:
+            raise PlanError("transforming an nn.Module needs example_inputs= or example_kwargs= (the single-device inputs)")
+        # capture reads the model and never writes it; the copy is of the captured graph
+        captured = trace(obj, plan, example_inputs or (), example_kwargs, capture=capture, dynamic_shapes=dynamic_shapes)
+        return _copy_graph_module(captured)
     raise TypeError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
 
 
@@ -116,7 +126,8 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     for n in graph.nodes:
         n.meta.pop(KEY, None)
-    new = fx.GraphModule(holder, graph, gm.__class__.__name__)
+    new = fx.GraphModule(holder, graph, gm.meta.get("model_class", gm.__class__.__name__))
     keep_non_persistent(gm, new)
+    keep_codegen(gm, new)
     new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
     return new

@@ -126,10 +126,19 @@ def _leading(layout: dict, ndim: int, out_ndim: int) -> dict:
     return out
 
 
-def output_layout(gm: fx.GraphModule) -> dict:
-    """Layout of the (single tensor) output of a transformed GraphModule."""
+def output_layout(gm: fx.GraphModule, select: Callable | None = None) -> dict:
+    """Layout of the (single tensor) output of a transformed GraphModule, or of the
+    output ``select`` picks from a structured one (an HF ``ModelOutput``)."""
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     value = out.args[0]
+    if select is not None:
+        spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+        if spec is not None:  # a captured graph returns its outputs flat: rebuild the structure
+            from torch.utils import _pytree as pytree
+
+            value = value[select(pytree.tree_unflatten(list(range(len(value))), spec))]
+        else:
+            value = select(value)
     meta = value.meta.get(KEY) if isinstance(value, fx.Node) else None
     ti = meta.value if meta is not None else None
     if not isinstance(ti, TensorInfo):
@@ -197,7 +206,7 @@ def _leaf_inputs(inputs: Sequence[Any]) -> list[Any]:
 
 
 def reference(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable, steps: int = 2, lr: float = 0.05,
-              targets: Sequence[torch.Tensor] = ()) -> Reference:
+              targets: Sequence[torch.Tensor] = (), kwargs: dict | None = None, select: Callable | None = None) -> Reference:
     """Train a copy of ``model`` on one device for ``steps`` SGD steps.
 
     Example::
@@ -206,16 +215,20 @@ def reference(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable, steps:
         ref.param_grads[0]["fc1.weight"]      # gradient at the first step
 
     Float inputs get ``requires_grad`` (their gradients are recorded per step);
-    ``loss_fn(output, *targets)`` is the objective.
+    ``loss_fn(output, *targets)`` is the objective.  ``kwargs`` are keyword inputs (an
+    HF model's ``input_ids=``, ``labels=``); ``select(output)`` picks the tensor that is
+    compared (``lambda o: o.logits``); ``loss_fn`` sees the whole output.
     """
     model = copy.deepcopy(model)
     xs = _leaf_inputs(inputs)
+    kw = dict(kwargs or {})
+    select = select or (lambda o: o)
     ref = Reference([], [], [], [], {})
     for _ in range(steps):
-        out = model(*xs)
+        out = model(*xs, **kw)
         loss = loss_fn(out, *targets)
         loss.backward()
-        ref.outputs.append(out.detach().clone())
+        ref.outputs.append(select(out).detach().clone())
         ref.losses.append(float(loss.detach()))
         ref.input_grads.append([x.grad.clone() if isinstance(x, torch.Tensor) and x.grad is not None else None for x in xs])
         ref.param_grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
@@ -224,7 +237,7 @@ def reference(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable, steps:
                 x.grad = None
         sgd_step(model.parameters(), lr)
     with torch.no_grad():
-        ref.outputs.append(model(*xs).detach().clone())
+        ref.outputs.append(select(model(*xs, **kw)).detach().clone())
     ref.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return ref
 
@@ -247,6 +260,12 @@ class Case:
                            (checks that the graph runs at other batch/sequence sizes).
     post(sharded, mesh, rank, world_size): extra check run on real ranks after the
                            equivalence check (top-level function).
+    kwargs:                keyword inputs (HF: ``{"input_ids": ids, "labels": labels}``),
+                           sliced per ``plan.inputs`` by name like positional ones.
+    example_kwargs:        keyword inputs to transform with, if different from ``kwargs``.
+    select(output):        the tensor of the output that is compared (``lambda o: o.logits``).
+    loss_in_output:        ``loss_fn`` reads a loss the model computes itself (``o.loss``):
+                           it is replicated, so the objective is not summed over slices.
     """
 
     model_factory: Callable[[], nn.Module]
@@ -262,13 +281,20 @@ class Case:
     example_inputs: tuple | None = None
     post: Callable | None = None
     name: str = ""
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    example_kwargs: dict | None = None
+    select: Callable | None = None
+    loss_in_output: bool = False
+
+    def pick(self, out):
+        return self.select(out) if self.select is not None else out
 
 
 def _resolve_loss(case: Case, ref_model: nn.Module) -> tuple[Callable, tuple]:
     if case.loss_fn is not None:
         return case.loss_fn, tuple(case.targets)
     with torch.no_grad():
-        shape = ref_model(*case.inputs).shape
+        shape = case.pick(ref_model(*case.inputs, **case.kwargs)).shape
     # scaled like a mean over the output, so SGD steps stay small and stable
     w = torch.randn(shape, generator=torch.Generator().manual_seed(1234), dtype=torch.float32) / math.sqrt(math.prod(shape))
     return weighted_sum, (w,)
@@ -286,14 +312,17 @@ def _prepare(case: Case):
     return model, loss_fn, targets
 
 
-def _run_sharded(sharded: fx.GraphModule, local_inputs: list, local_targets: list, loss_fn: Callable, steps: int, lr: float):
+def _run_sharded(sharded: fx.GraphModule, local_inputs: list, local_targets: list, loss_fn: Callable, steps: int, lr: float,
+                 local_kwargs: dict | None = None, select: Callable | None = None):
     """Train the sharded program; record what :class:`Reference` records, per rank."""
     rec = Reference([], [], [], [], {})
+    kw = dict(local_kwargs or {})
+    select = select or (lambda o: o)
     for _ in range(steps):
-        out = sharded(*local_inputs)
+        out = sharded(*local_inputs, **kw)
         loss = loss_fn(out, *local_targets)
         loss.backward()
-        rec.outputs.append(out.detach())
+        rec.outputs.append(select(out).detach())
         rec.losses.append(loss.detach())
         rec.input_grads.append([x.grad if isinstance(x, torch.Tensor) else None for x in local_inputs])
         rec.param_grads.append({n: p.grad for n, p in sharded.named_parameters()})
@@ -302,7 +331,7 @@ def _run_sharded(sharded: fx.GraphModule, local_inputs: list, local_targets: lis
                 x.grad = None
         sgd_step(sharded.parameters(), lr)
     with torch.no_grad():
-        rec.outputs.append(sharded(*local_inputs).detach())
+        rec.outputs.append(select(sharded(*local_inputs, **kw)).detach())
     return rec
 
 
@@ -360,17 +389,21 @@ def _equivalence(case: Case, mesh, model, loss_fn, targets, ranks: list[int], co
     """Transform, train on the sharded graph and compare ``ranks`` (runs under a mesh)."""
     plan = case.plan_factory(mesh)
     example = case.example_inputs if case.example_inputs is not None else case.inputs
-    sharded = fxshard.transform(model, plan, example_inputs=example)
-    out_layout = output_layout(sharded)
+    example_kw = case.example_kwargs if case.example_kwargs is not None else case.kwargs
+    sharded = fxshard.transform(model, plan, example_inputs=example, example_kwargs=example_kw or None)
+    out_layout = output_layout(sharded, case.select)
     in_layouts = input_layouts(sharded, plan)
     with plain():
         with torch.no_grad():
-            out_ndim = model(*case.inputs).dim()
-        ref = reference(model, case.inputs, sliced_objective(loss_fn, out_layout, case.mesh_shape), case.steps, case.lr, targets)
+            out_ndim = case.pick(model(*case.inputs, **case.kwargs)).dim()
+        objective = loss_fn if case.loss_in_output else sliced_objective(loss_fn, out_layout, case.mesh_shape)
+        ref = reference(model, case.inputs, objective, case.steps, case.lr, targets, case.kwargs, case.select)
     _check_outputs_move(case, ref)
     local_in = _local_inputs(case.inputs, in_layouts, coord_of_rank, case.mesh_shape)
+    kw_layouts = [plan.inputs.get(name, {}) for name in case.kwargs]
+    local_kw = dict(zip(case.kwargs, _local_inputs(list(case.kwargs.values()), kw_layouts, coord_of_rank, case.mesh_shape)))
     local_tg = _local_targets(targets, out_layout, out_ndim, coord_of_rank, case.mesh_shape)
-    rec = _run_sharded(sharded, local_in, local_tg, loss_fn, case.steps, case.lr)
+    rec = _run_sharded(sharded, local_in, local_tg, loss_fn, case.steps, case.lr, local_kw, case.select)
     for r in ranks:
         with plain():
             _compare_rank(case, ref, rec, sharded, in_layouts, out_layout, r, coord_of_rank(r))

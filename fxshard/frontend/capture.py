@@ -1,0 +1,251 @@
+"""Capture with ``torch.export`` (non-strict): the front end for models that
+``torch.fx.symbolic_trace`` cannot trace (HF transformers, torchtitan, ...).
+
+Why non-strict ``torch.export`` (and not dynamo's graph capture): it runs the model's
+own Python, so HF's decorators, mask-building control flow and shape unpacking just
+execute; it names parameters and modules exactly as ``named_parameters()`` /
+``named_modules()`` do (dynamo mangles them into placeholders); it keeps the output
+structure (an HF ``ModelOutput``) as a pytree spec; and it keeps batch and sequence
+symbolic through ``dynamic_shapes``, so sizes stay reads at run time in the graph.
+Its aten-level IR is translated back to fxshard's torch-level vocabulary by
+:mod:`fxshard.frontend.aten_ops`.
+
+Module boundaries are recovered exactly, not guessed from the module stack: while
+exporting, a forward pre-hook and a forward hook on every planned module that declares
+inputs or outputs pass each tensor argument (by its forward-argument name) and each
+tensor output through ``fxshard::module_boundary``, an identity custom op that
+export records; afterwards those nodes become the ``region_input`` /
+``region_output`` markers that ``fxshard.trace`` puts around modules it traces through.
+
+The result is the graph form every pass expects: ``get_attr`` nodes with the model's
+FQNs, ``nn_module_stack`` with real module classes, boundary markers, no runtime
+asserts, the model's output structure.
+
+Example::
+
+    gm = capture(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
+    gm(input_ids=ids, labels=labels).logits
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+from fxshard.boundary import region_input, region_output
+from fxshard.errors import PlanError
+from fxshard.frontend.aten_ops import translate_aten
+
+
+@torch.library.custom_op("fxshard::module_boundary", mutates_args=())
+def module_boundary(x: torch.Tensor, fqn: str, name: str, kind: str) -> torch.Tensor:
+    """Identity marker recorded by export at a planned module's boundary (a custom op
+    may not return its input, hence the clone; the node never survives capture)."""
+    return x.clone()
+
+
+@module_boundary.register_fake
+def _(x, fqn, name, kind):
+    return torch.empty_like(x)
+
+
+def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
+            dynamic_shapes=None) -> fx.GraphModule:
+    """Export ``model`` (non-strict) and normalize the graph into fxshard's form.
+
+    ``dynamic_shapes`` defaults to every dim of integer inputs (token ids) and every
+    dim but the last of float inputs being dynamic (``Dim.AUTO``: export keeps a dim
+    static where the model needs it so).  The model is not modified.
+    """
+    kwargs = dict(example_kwargs or {})
+    args = tuple(example_inputs)
+    if dynamic_shapes is None:
+        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
+    with _boundary_hooks(model, plan), _training_config(model), torch.fx.experimental._config.patch(use_duck_shape=False):
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        except PlanError:
+            raise
+        except Exception as e:
+            raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(e).__name__}: "
+                            f"{_first_line(e)}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
+                            f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
+    gm = ep.module()
+    _drop_guards(gm)
+    _markers_from_boundaries(gm)
+    translate_aten(gm)
+    _module_stack_types(gm, model)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.meta["captured_by"] = "torch.export"
+    gm.meta["model_class"] = type(model).__name__
+    return gm
+
+
+def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[Any]:
+    """The graph's placeholder values for a call ``gm(*args, **kwargs)``: a captured
+    graph takes its inputs pytree-flattened by its ``in_spec``; a traced one by name."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        import torch.fx._pytree as fx_pytree
+
+        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs or {})), info.in_spec))
+    if not kwargs:
+        return list(args)
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    bound = dict(zip(names, args))
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise PlanError(f"example_kwargs {unknown} are not inputs of the graph (its inputs are {names})")
+    bound.update(kwargs)
+    return [bound[n] for n in names if n in bound]
+
+
+# ----------------------------------------------------------------------------- export set-up
+
+
+def _default_dynamic_shapes(model, args, kwargs):
+    def dims(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        n = x.dim() if not x.is_floating_point() else x.dim() - 1
+        return {d: Dim.AUTO for d in range(n)} or None
+
+    sig = inspect.signature(model.forward)
+    bound = sig.bind_partial(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: dims(v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(dims(v) for v in value)
+        else:
+            out[name] = dims(value)
+    return out
+
+
+@contextlib.contextmanager
+def _training_config(model):
+    """HF models build a KV cache unless told not to, and a cache is no training
+    output (nor a pytree export can return): switch ``use_cache`` off while capturing."""
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if old:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if old:
+            config.use_cache = old
+
+
+@contextlib.contextmanager
+def _boundary_hooks(model: nn.Module, plan):
+    handles = []
+    try:
+        if plan is not None:
+            for fqn, module in model.named_modules():
+                hit = plan.match(fqn)
+                if hit is None:
+                    continue
+                pattern, spec = hit
+                if spec.local:
+                    raise PlanError(f"plan entry {pattern!r}: module {fqn!r} is a local region (ModuleSpec(local=True)), "
+                                    f"which needs a model torch.fx.symbolic_trace can trace; this model was captured with "
+                                    f"torch.export. Fix: declare its parameters without local=True, or make the model fx-traceable")
+                if spec.declares_boundary():
+                    handles.append(module.register_forward_pre_hook(_mark_inputs(fqn), with_kwargs=True))
+                    handles.append(module.register_forward_hook(_mark_outputs(fqn, spec.out_names), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _mark_inputs(fqn: str):
+    def hook(module, args, kwargs):
+        sig = inspect.signature(module.forward)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise PlanError(f"module {fqn!r}: cannot bind its call to forward{sig}: {e}") from e
+        for name, value in list(bound.arguments.items()):
+            if isinstance(value, torch.Tensor):
+                bound.arguments[name] = module_boundary(value, fqn, name, "input")
+        return tuple(bound.args), dict(bound.kwargs)
+    return hook
+
+
+def _mark_outputs(fqn: str, out_names):
+    def hook(module, args, kwargs, out):
+        if isinstance(out, torch.Tensor):
+            return module_boundary(out, fqn, (out_names or ("output",))[0], "output")
+        if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+            names = out_names or tuple(str(i) for i in range(len(out)))
+            if len(names) != len(out):
+                raise PlanError(f"module {fqn!r}: out_names {tuple(names)} but its forward returns {len(out)} values")
+            return type(out)(module_boundary(v, fqn, n, "output") if isinstance(v, torch.Tensor) else v
+                             for v, n in zip(out, names))
+        return out
+    return hook
+
+
+# ----------------------------------------------------------------------------- normalization
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Export's input guards check the *global* shapes; a rank sees local ones."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+
+
+def _markers_from_boundaries(gm: fx.GraphModule) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.fxshard.module_boundary.default:
+            x, fqn, name, kind = node.args
+            with graph.inserting_before(node):
+                marker = graph.call_function(region_input if kind == "input" else region_output, (x, fqn, name))
+            marker.meta = dict(node.meta)
+            node.replace_all_uses_with(marker)
+            graph.erase_node(node)
+
+
+def _module_stack_types(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Export records ``nn_module_stack`` as ``{key: (fqn, "type name")}``; fxshard's
+    passes read ``(fqn, type)``: resolve the types against the model."""
+    types: dict[str, type] = {}
+
+    def resolve(fqn: str):
+        if fqn not in types:
+            try:
+                types[fqn] = type(model.get_submodule(fqn))
+            except AttributeError:
+                types[fqn] = None
+        return types[fqn]
+
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        clean = {}
+        for key, (fqn, mtype) in stack.items():
+            if key.startswith("_empty_nn_module_stack"):
+                continue
+            cls = resolve(fqn) if isinstance(mtype, str) else mtype
+            clean[key] = (fqn, cls if cls is not None else mtype)
+        node.meta["nn_module_stack"] = clean
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""

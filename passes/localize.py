@@ -13,6 +13,7 @@ Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -43,6 +44,9 @@ def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.target == "split" or node.target is torch.split:
             _split(node, axes)
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            _slice_bounds(node, axes)
             continue
         out = info(node).value
         if not isinstance(out, TensorInfo):
@@ -78,17 +82,60 @@ def _local_size(node, s, d, out: TensorInfo, axes):
         return s
     sharded = _sharding(out, d)
     if isinstance(s, fx.Node):
-        v = info(s).value
-        src_axes = v.axes if isinstance(v, SizeInfo) else frozenset()
-        if src_axes is None or src_axes != sharded:
-            raise node_error(node, f"dim {d} is sized by `{s.name}`, a size read at run time from a dim sharded on "
-                                   f"{sorted(src_axes) if src_axes is not None else 'an unknown combination of axes'}, "
-                                   f"but the result's dim {d} is sharded on {sorted(sharded)}",
-                             "size that dim with a literal, or read the size from a tensor sharded the same way")
-        return s
+        return _rescaled(node, s, sharded, axes, f"dim {d}")
     if isinstance(s, int) and s != -1 and sharded:
         return s // math.prod(axes[a] for a in sharded)
     return s
+
+
+def _rescaled(node: fx.Node, s: fx.Node, sharded: frozenset, axes, what: str):
+    """A size read at run time is the *local* size of the dim it was read from: where
+    it sizes a dim sharded differently (HF Llama under sequence parallelism reads the
+    sequence length from its sequence-sharded input, then views the whole-sequence
+    projections with it), it is rescaled by the ratio of the two shardings."""
+    v = info(s).value
+    src_axes = v.axes if isinstance(v, SizeInfo) else frozenset()
+    if src_axes == sharded:
+        return s
+    if src_axes is None or isinstance(src_axes, tuple):
+        raise node_error(node, f"{what} is sized by `{s.name}`, a size read at run time and combined in a way fxshard cannot "
+                               f"follow, but that dim is sharded on {sorted(sharded)}",
+                         "size that dim with a literal, or read the size from a tensor sharded the same way")
+    have, want = math.prod(axes[a] for a in src_axes), math.prod(axes[a] for a in sharded)
+    op, k = (operator.mul, have // want) if have % want == 0 else (operator.floordiv, want // have)
+    if have % want and want % have:
+        raise node_error(node, f"{what} is sized by `{s.name}`, read from a dim sharded on {sorted(src_axes)}, but that dim is "
+                               f"sharded on {sorted(sharded)}, and the two shardings do not divide each other",
+                         "read the size from a tensor sharded the same way")
+    graph = node.graph
+    with graph.inserting_before(node):
+        scaled = graph.call_function(op, (s, k))
+    scaled.meta.update({key: s.meta[key] for key in ("val", "nn_module_stack", "stack_trace") if key in s.meta})
+    scaled.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+    info(scaled).value = SizeInfo(v.value, sharded)
+    info(scaled).rule = "size rescaled to the result's sharding"
+    return scaled
+
+
+def _slice_bounds(node, axes):
+    """``x[:S]`` with ``S`` read at run time: the bound must be in the units of the
+    sliced dim of ``x``, which may be sharded differently from where ``S`` was read."""
+    x = info(node.args[0]).value
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not isinstance(x, TensorInfo) or Ellipsis in idx or None in idx:
+        return
+    new, changed = [], False
+    for d, it in enumerate(idx):
+        if isinstance(it, slice) and any(isinstance(b, fx.Node) for b in (it.start, it.stop, it.step)):
+            sharded = _sharding(x, d)
+            bounds = [(_rescaled(node, b, sharded, axes, f"the slice of dim {d}") if isinstance(b, fx.Node) and
+                       isinstance(info(b).value, SizeInfo) else b) for b in (it.start, it.stop, it.step)]
+            it2 = slice(*bounds)
+            changed |= it2 != it
+            it = it2
+        new.append(it)
+    if changed:
+        node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
 
 
 def _unflatten(node, out: TensorInfo, axes):

@@ -22,6 +22,7 @@ from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlacementMismatchError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
+from fxshard.dtensor_rules import dtensor_layout
 from fxshard.rules import Ctx, rule_for
 
 
@@ -123,6 +124,8 @@ def _wrap(node, value, axes, requires_grad):
 
 
 def _tensor_from(val, layout, node, axes, requires_grad):
+    if not isinstance(val, torch.Tensor):
+        return None  # a non-tensor item of a tuple result (a local region's int or None output): no layout
     try:
         return TensorInfo(layout, tuple(val.shape), local_shape(val.shape, layout, axes), val.dtype, requires_grad)
     except ValueError as e:
@@ -150,12 +153,15 @@ def _apply_rule(node: fx.Node, axes):
     else:
         name, rule = rule_for(node)
     if rule is None:
-        # An op without a rule may run only when every tensor it sees is Replicate.
-        bad = [(a, ti) for a, ti in tensors if not is_replicate(ti.layout)]
-        if bad:
-            raise ctx.fail("fxshard has no layout rule for this op and it receives non-replicated inputs",
-                           "make its inputs Replicate in the plan, move it inside a local region (ModuleSpec(local=True)), "
-                           "or file an issue for a rule")
+        # An op without a rule on non-replicated inputs: DTensor's sharding propagation
+        # decides, without redistributing (fxshard.dtensor_rules).
+        if node.op != "call_module" and any(not is_replicate(ti.layout) for _, ti in tensors):
+            meta.rule = "DTensor strategy"
+            meta.value = _wrap(node, dtensor_layout(ctx), axes, requires_grad)
+            return
+        if node.op == "call_module" and any(not is_replicate(ti.layout) for _, ti in tensors):
+            raise ctx.fail("fxshard cannot see inside this module call and it receives non-replicated inputs",
+                           "make its inputs Replicate in the plan, or declare it a local region (ModuleSpec(local=True))")
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             meta.value = _wrap(node, {a: Replicate() for a in axes}, axes, requires_grad)

@@ -226,13 +226,15 @@ def translate_aten(gm: fx.GraphModule) -> int:
         if spec is None:
             continue
         op, target, args, kwargs = spec
-        with graph.inserting_before(node):
-            new = graph.create_node(op, target, args, kwargs)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        name = node.name
-        graph.erase_node(node)
-        new._rename(name)
+        if target is operator.getitem and all(s == slice(None) for s in args[1]):
+            node.replace_all_uses_with(args[0])  # a full slice is the tensor itself
+            graph.erase_node(node)
+            continue
+        # in place, so the node keeps its name (names are never reused in a graph) and metadata
+        node.op, node.target = op, target
+        node.args, node.kwargs = tuple(args), kwargs
+        if target == "size" and isinstance(args[0], fx.Node) and args[0].op == "placeholder":
+            node._rename(f"{args[0].name}_size_{args[1]}")
         count += 1
     graph.lint()
     return count

@@ -66,6 +66,10 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     args = tuple(example_inputs)
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
+        # export specializes dims of size 0 and 1 (a batch of one would be baked into
+        # every view); capture on inputs grown to size 2 there: the shapes fxshard
+        # records come from the real example inputs afterwards.
+        args, kwargs = _grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()}
     with _boundary_hooks(model, plan), _training_config(model), torch.fx.experimental._config.patch(use_duck_shape=False):
         try:
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -109,12 +113,30 @@ def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
 # ----------------------------------------------------------------------------- export set-up
 
 
+def _dynamic_dims(x) -> range:
+    """Batch and sequence: every dim of token ids, every dim but the features of floats."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return range(0)
+    return range(x.dim() if not x.is_floating_point() else x.dim() - 1)
+
+
+def _grow_unit_dims(value):
+    from torch.utils._pytree import tree_map
+
+    def grow(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        for d in _dynamic_dims(x):
+            if x.shape[d] == 1:
+                x = x.expand(*x.shape[:d], 2, *x.shape[d + 1:]).contiguous()
+        return x
+
+    return tree_map(grow, value)
+
+
 def _default_dynamic_shapes(model, args, kwargs):
     def dims(x):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            return None
-        n = x.dim() if not x.is_floating_point() else x.dim() - 1
-        return {d: Dim.AUTO for d in range(n)} or None
+        return {d: Dim.AUTO for d in _dynamic_dims(x)} or None
 
     sig = inspect.signature(model.forward)
     bound = sig.bind_partial(*args, **kwargs)

@@ -2,6 +2,8 @@
 stay symbolic (and must come from a dim sharded the same way)."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -51,10 +53,73 @@ class Widen(nn.Module):
         return self.fc(x).view(x.shape[0], x.shape[1], x.shape[2], 2)
 
 
-def test_run_time_size_of_a_differently_sharded_dim():
-    import fxshard
+def test_run_time_size_of_a_differently_sharded_dim_is_rescaled():
+    """``x.shape[2]`` is read from a replicated dim (8) and sizes a dim sharded on tp
+    (local 4): the size is divided at run time, and the numbers are the single-device ones."""
+    from equivalence import check_simulated
 
-    with pytest.raises(PlanError) as err:
-        fxshard.transform(Widen(), Plan(MeshSpec(("tp",), (2,)), {"fc": colwise()}), (torch.randn(2, 3, 8),))
-    msg = str(err.value)
-    assert "dim 2 is sized by" in msg and "sharded on ['tp']" in msg and "size that dim with a literal" in msg
+    sharded = check_simulated(Widen, lambda mesh: Plan(mesh, {"fc": colwise()}), (torch.randn(2, 3, 8),), {"tp": 2})
+    scaled = [n for n in sharded.graph.nodes if n.op == "call_function" and n.target is operator.floordiv]
+    assert len(scaled) == 1 and scaled[0].args[1] == 2
+
+
+class SequenceSharded(nn.Module):
+    """HF Llama's pattern under sequence parallelism: the sequence length is read from
+    the sequence-sharded input and sizes the whole-sequence output of a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        bsz, seqlen = h.shape[0], h.shape[1]
+        q = self.q(h).view(bsz, seqlen, 2, 4)
+        return q.sum(-1)
+
+
+def test_size_read_from_a_sequence_sharded_input_is_rescaled():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from equivalence import check_simulated
+    from fxshard import sequence_parallel
+
+    def plan(mesh):
+        return Plan(mesh, {"norm": sequence_parallel(), "q": colwise(inputs=Shard(1), out=Replicate())},
+                    inputs={"x": {"tp": Shard(1)}})
+
+    sharded = check_simulated(SequenceSharded, plan, (torch.randn(2, 8, 8),), {"tp": 2})
+    assert any(n.op == "call_function" and n.target is operator.mul and n.args[1] == 2 for n in sharded.graph.nodes)
+    check_simulated(SequenceSharded, plan, (torch.randn(3, 4, 8),), {"tp": 4}, example_inputs=(torch.randn(2, 8, 8),))
+
+
+class SlicedMask(nn.Module):
+    """nanoGPT's causal mask sliced by a length read from a sequence-sharded tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.register_buffer("mask", torch.tril(torch.ones(16, 16)))
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        t = h.size(1)
+        q = self.q(h)  # gathered: the whole sequence
+        scores = q @ q.transpose(-2, -1)
+        return scores.masked_fill(self.mask[:t, :t] == 0, 0.0).sum(-1)
+
+
+def test_slice_bound_read_from_a_sharded_dim_is_rescaled():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from equivalence import check_simulated
+    from fxshard import sequence_parallel
+
+    def plan(mesh):
+        return Plan(mesh, {"norm": sequence_parallel(), "q": colwise(inputs=Shard(1), out=Replicate())},
+                    inputs={"x": {"tp": Shard(1)}})
+
+    check_simulated(SlicedMask, plan, (torch.randn(2, 8, 8),), {"tp": 2})
+    check_simulated(SlicedMask, plan, (torch.randn(2, 8, 8),), {"tp": 4})

@@ -97,7 +97,7 @@ def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shap
         outline_regions(gm, plan)  # before shapes: MoE routing cannot run on fake tensors
         if example_inputs is not None or example_kwargs:
             record_shapes(gm, flat_inputs(gm, example_inputs or (), example_kwargs))
-        elif any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
+        elif any("val" not in n.meta for n in gm.graph.nodes if _makes_tensor(n)):
             raise PlanError("this GraphModule has no recorded shapes: pass example_inputs= (the single-device inputs) "
                             "to fxshard.transform, or trace it with fxshard.trace(model, plan, example_inputs)")
         return gm
@@ -108,6 +108,26 @@ def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shap
         captured = trace(obj, plan, example_inputs or (), example_kwargs, capture=capture, dynamic_shapes=dynamic_shapes)
         return _copy_graph_module(captured)
     raise TypeError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
+
+
+_NON_TENSOR_ATTRS = frozenset({"device", "dtype", "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized"})
+
+
+def _makes_tensor(n: fx.Node) -> bool:
+    """Must ``n`` carry a recorded ``val``?  Shape recording (FakeTensorProp) leaves none on
+    values without a shape: a tensor's ``.device``/``.dtype`` (``torch.arange(T,
+    device=ids.device)``) and a placeholder left at its non-tensor default (``targets=None``)."""
+    import builtins
+
+    import torch
+
+    if n.op in ("output", "get_attr"):
+        return False
+    if n.op == "call_function" and n.target is builtins.getattr and len(n.args) > 1 and n.args[1] in _NON_TENSOR_ATTRS:
+        return False
+    if n.op == "placeholder" and n.args and not isinstance(n.args[0], torch.Tensor):
+        return False  # its default value is used when no example is given for it
+    return True
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -127,7 +147,27 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for n in graph.nodes:
         n.meta.pop(KEY, None)
     new = fx.GraphModule(holder, graph, gm.meta.get("model_class", gm.__class__.__name__))
+    _keep_unreferenced_state(gm, new, memo)
     keep_non_persistent(gm, new)
     keep_codegen(gm, new)
     new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
     return new
+
+
+def _keep_unreferenced_state(gm: fx.GraphModule, new: fx.GraphModule, memo: dict) -> None:
+    """``fx.GraphModule`` copies only the attributes its graph reads; a captured graph
+    reads a tied weight under one name (``model.embed_tokens.weight``, not
+    ``lm_head.weight``) and no unused parameter at all.  Every FQN of the model stays:
+    ``state_dict`` keys and ties are the model's (``memo`` maps to the copies made)."""
+    tensors = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
+    tensors += [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
+    for fqn, t, is_param in tensors:
+        owner_path, _, name = fqn.rpartition(".")
+        owner = new
+        for part in owner_path.split(".") if owner_path else ():
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        store = owner._parameters if is_param else owner._buffers
+        if name not in store:
+            store[name] = copy.deepcopy(t, memo)

@@ -23,6 +23,26 @@ from fxshard.errors import node_error
 from fxshard.meta import Collective, TensorInfo, info
 
 
+_VIEWS = ("view", "reshape")
+
+
+def _boundary_after_views(node: fx.Node, ndim: int) -> fx.Node | None:
+    """The output marker the linear's value reaches, through views that keep its last
+    (bias) dim: transformers' ``Conv1D`` computes on ``[B*S, in]`` and views the result
+    back to ``[B, S, out]`` before it leaves the module."""
+    cur = node
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if user.target is region_output:
+            return user
+        val, prev = user.meta.get("val"), cur.meta.get("val")
+        keeps_bias_dim = val is not None and prev is not None and val.shape[-1] == prev.shape[-1]
+        if not (user.op == "call_method" and user.target in _VIEWS and keeps_bias_dim):
+            return None
+        cur = user
+    return None
+
+
 def defer_bias(gm: fx.GraphModule) -> fx.GraphModule:
     """Move biases of Partial-output linears after their reduction (in place)."""
     for node in list(gm.graph.nodes):
@@ -31,8 +51,7 @@ def defer_bias(gm: fx.GraphModule) -> fx.GraphModule:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         out = info(node).value
         partial_axes = [a for a, p in out.layout.items() if isinstance(p, Partial)]
-        users = list(node.users)
-        marker = users[0] if len(users) == 1 and users[0].target is region_output else None
+        marker = _boundary_after_views(node, len(out.shape))
         red = info(marker).redistribute if marker is not None else None
         if red is None or any(isinstance(red[1][a], Partial) for a in partial_axes):
             raise node_error(node, f"this linear has a bias and its output is Partial on {partial_axes}, but the output is not "

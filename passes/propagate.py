@@ -84,10 +84,26 @@ def _flow_blocks(node: fx.Node) -> None:
         if w.blocks and any(p == Shard(0) for p in w.layout.values()):
             out.blocks = w.blocks
         return
+    if node.op == "call_method" and node.target == "t":  # a Conv1D weight [in, out] read as a linear one
+        src = info(node.args[0]).value
+        if isinstance(src, TensorInfo) and src.blocks:
+            out.blocks = src.blocks
+        return
+    if node.op == "call_method" and node.target in ("view", "reshape"):  # Conv1D: [B*S, 3H] -> [B, S, 3H]
+        src = info(node.args[0]).value
+        if isinstance(src, TensorInfo) and src.blocks and _same_sharded_dim(src, out):
+            out.blocks = src.blocks
+        return
     preserving = node.target in (region_input, region_output) or (node.op == "call_method" and node.target in _BLOCK_PRESERVING)
     src = info(node.args[0]).value if preserving and node.args and isinstance(node.args[0], fx.Node) else None
     if isinstance(src, TensorInfo) and src.blocks and src.layout == out.layout and src.shape == out.shape:
         out.blocks = src.blocks
+
+
+def _same_sharded_dim(src: TensorInfo, out: TensorInfo) -> bool:
+    """Is the sharded dim carried whole through a reshape (neither split nor merged)?"""
+    pairs = [(p, out.layout[a]) for a, p in src.layout.items() if isinstance(p, Shard)]
+    return bool(pairs) and all(isinstance(q, Shard) and src.shape[p.dim] == out.shape[q.dim] for p, q in pairs)
 
 
 def _fetch(gm, target):

@@ -231,14 +231,14 @@ def reference(model: nn.Module, inputs: Sequence[Any], loss_fn: Callable, steps:
         ref.outputs.append(select(out).detach().clone())
         ref.losses.append(float(loss.detach()))
         ref.input_grads.append([x.grad.clone() if isinstance(x, torch.Tensor) and x.grad is not None else None for x in xs])
-        ref.param_grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        ref.param_grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
         for x in xs:
             if isinstance(x, torch.Tensor):
                 x.grad = None
         sgd_step(model.parameters(), lr)
     with torch.no_grad():
         ref.outputs.append(select(model(*xs, **kw)).detach().clone())
-    ref.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref.params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return ref
 
 
@@ -325,7 +325,7 @@ def _run_sharded(sharded: fx.GraphModule, local_inputs: list, local_targets: lis
         rec.outputs.append(select(out).detach())
         rec.losses.append(loss.detach())
         rec.input_grads.append([x.grad if isinstance(x, torch.Tensor) else None for x in local_inputs])
-        rec.param_grads.append({n: p.grad for n, p in sharded.named_parameters()})
+        rec.param_grads.append({n: p.grad for n, p in sharded.named_parameters(remove_duplicate=False)})
         for x in local_inputs:
             if isinstance(x, torch.Tensor):
                 x.grad = None

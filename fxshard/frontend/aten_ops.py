@@ -198,7 +198,7 @@ TRANSLATIONS: dict[Any, Callable[..., Spec | None]] = {
     aten.unsqueeze.default: _method("unsqueeze"), aten.squeeze.dim: _method("squeeze"), aten.squeeze.dims: _method("squeeze"),
     aten.expand.default: _method("expand", 2),
     aten.contiguous.default: _method("contiguous", 1), aten.clone.default: _method("clone", 1),
-    aten.detach.default: _method("detach"), aten.alias.default: _method("detach"),
+    aten.detach.default: _method("detach"),
     aten.to.dtype: _to, aten.to.dtype_layout: _to, aten._to_copy.default: _to, aten.type_as.default: _method("type_as"),
     aten.split.Tensor: _function(torch.split), aten.split_with_sizes.default: _function(torch.split),
     aten.chunk.default: _function(torch.chunk),

@@ -132,11 +132,11 @@ def _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, pla
         raise ctx.fail(f"fxshard has no layout rule for this op and DTensor has no sharding strategy for `{func}` "
                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
                        "make its inputs Replicate in the plan, move it inside a local region, or file an issue for a rule") from None
-    if sharding.needs_redistribute:
-        wanted = sharding.redistribute_schema
-        want = [dict(zip(names, s.placements)) for s in tree_flatten((wanted.args_schema, wanted.kwargs_schema))[0]
-                if isinstance(s, DTensorSpec)] if wanted is not None else []
-        have = [dict(zip(names, p)) for p in ins]
+    wanted = sharding.redistribute_schema
+    want = [dict(zip(names, s.placements)) for s in tree_flatten((wanted.args_schema, wanted.kwargs_schema))[0]
+            if isinstance(s, DTensorSpec)] if wanted is not None else []
+    have = [dict(zip(names, p)) for p in ins]
+    if sharding.needs_redistribute and want != have:  # (equal placements: only tensor metadata differs)
         partial = [a for pl in have for a, p in pl.items() if isinstance(p, Partial)]
         fix = reduce_fix(partial[0]) if partial else (
             "declare layouts in the plan so that this op receives " + "; ".join(fmt_layout(w) for w in want)

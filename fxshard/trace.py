@@ -136,9 +136,7 @@ def _fx_trace(model: nn.Module, plan) -> fx.GraphModule:
 def keep_codegen(src: fx.GraphModule, dst: fx.GraphModule) -> None:
     """Carry a captured graph's pytree calling convention (``model(input_ids=...)`` in,
     the model's ``ModelOutput`` out) over to a copy of it."""
-    import copy
-
-    dst.graph._codegen = copy.deepcopy(src.graph._codegen)
+    dst.graph._codegen = src.graph._codegen  # read-only: the in/out specs of the model's call
     if hasattr(src, "_in_spec"):
         dst._in_spec = src._in_spec
     if hasattr(src, "_out_spec"):

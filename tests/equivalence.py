@@ -131,6 +131,9 @@ def output_layout(gm: fx.GraphModule, select: Callable | None = None) -> dict:
     output ``select`` picks from a structured one (an HF ``ModelOutput``)."""
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     value = out.args[0]
+    spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+    if spec is not None and spec.is_leaf() and isinstance(value, (tuple, list)):
+        (value,) = value  # a captured graph returning one tensor returns it flat, as a 1-list
     if select is not None:
         spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
         if spec is not None:  # a captured graph returns its outputs flat: rebuild the structure
@@ -264,7 +267,7 @@ class Case:
                            sliced per ``plan.inputs`` by name like positional ones.
     example_kwargs:        keyword inputs to transform with, if different from ``kwargs``.
     select(output):        the tensor of the output that is compared (``lambda o: o.logits``).
-    loss_in_output:        ``loss_fn`` reads a loss the model computes itself (``o.loss``):
+    replicated_loss:        ``loss_fn`` reads a loss the model computes itself (``o.loss``):
                            it is replicated, so the objective is not summed over slices.
     """
 
@@ -284,7 +287,7 @@ class Case:
     kwargs: dict = dataclasses.field(default_factory=dict)
     example_kwargs: dict | None = None
     select: Callable | None = None
-    loss_in_output: bool = False
+    replicated_loss: bool = False
 
     def pick(self, out):
         return self.select(out) if self.select is not None else out
@@ -396,7 +399,7 @@ def _equivalence(case: Case, mesh, model, loss_fn, targets, ranks: list[int], co
     with plain():
         with torch.no_grad():
             out_ndim = case.pick(model(*case.inputs, **case.kwargs)).dim()
-        objective = loss_fn if case.loss_in_output else sliced_objective(loss_fn, out_layout, case.mesh_shape)
+        objective = loss_fn if case.replicated_loss else sliced_objective(loss_fn, out_layout, case.mesh_shape)
         ref = reference(model, case.inputs, objective, case.steps, case.lr, targets, case.kwargs, case.select)
     _check_outputs_move(case, ref)
     local_in = _local_inputs(case.inputs, in_layouts, coord_of_rank, case.mesh_shape)

@@ -206,6 +206,8 @@ TRANSLATIONS: dict[Any, Callable[..., Spec | None]] = {
     aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.masked_fill.Scalar: _method("masked_fill"), aten.masked_fill.Tensor: _method("masked_fill"),
     aten.sym_size.int: _method("size"),
+    aten.flatten.using_ints: _method("flatten"), aten.unflatten.int: _method("unflatten"),
+    aten.view_as_complex.default: _function(torch.view_as_complex), aten.view_as_real.default: _function(torch.view_as_real),
 }
 
 

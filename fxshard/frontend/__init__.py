@@ -1,0 +1,1 @@
+"""front ends: capture of foreign models and plan importers"""

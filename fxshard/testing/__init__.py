@@ -1,0 +1,1 @@
+"""test and demo models, apart from the library's core"""

@@ -13,6 +13,7 @@ which plan change would make it fit.
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 from typing import Any, Callable
 
@@ -65,6 +66,9 @@ class Ctx:
 
     @property
     def out_ndim(self) -> int:
+        if not isinstance(self.val, torch.Tensor):
+            raise self.fail(f"this op's recorded value is {type(self.val).__name__}, not a tensor, but its rule needs the "
+                            f"tensor result's shape", "pass example_inputs to fxshard.transform, or file an issue for this op")
         return self.val.dim()
 
     # -- errors ---------------------------------------------------------------------
@@ -114,10 +118,13 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
 
     def rule(ctx: Ctx):
         tensors = ctx.tensor_args()
+        if not tensors and not isinstance(ctx.val, torch.Tensor):
+            return scalar_value(ctx)  # arithmetic on Python numbers (1.0 / math.sqrt(k.size(-1)))
         if tensor_positions is not None:
             keep = {id(ctx.arg(i)) for i in tensor_positions}
             tensors = [(a, ti) for a, ti in tensors if id(a) in keep]
         scalars = [a for a in _flat(ctx.node.args, ctx.node.kwargs) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        scalars += [True for _ in _traced_scalars(ctx)]  # a traced number counts as non-zero: its value may change
         nd = ctx.out_ndim
 
         def one(axis):
@@ -177,6 +184,112 @@ def _origin(node: fx.Node) -> str:
 def _name(node: fx.Node) -> str:
     t = node.target
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+# ----------------------------------------------------------------------------- Python numbers
+
+# Python numbers in the graph (``k.size(-1)``, ``math.sqrt`` of it, ``1.0 / ...``) are values
+# without a layout: they get a SizeInfo whose ``axes`` says whether every rank sees the
+# single-device value.  ``frozenset()``: yes (computed from literals and from sizes of
+# dims that are not sharded).  A non-empty set: the local size of a dim sharded on those
+# axes (each rank sees its own, smaller, number), which may size a dim sharded the same
+# way (localize) but never enter the arithmetic of a tensor.  ``None``: derived from
+# such a size in a way fxshard does not follow (``math.sqrt(local_size)``).
+
+def _number_axes(a, depth: int = 0):
+    """``frozenset()`` when the traced number ``a`` is the same on every rank as on one
+    device, else the axes it depends on (``None``: unknown).  Nodes without a SizeInfo
+    (made by an op without a rule) are judged by their inputs."""
+    if not isinstance(a, fx.Node):
+        return frozenset()
+    v = Ctx.info_of(a)
+    if isinstance(v, SizeInfo):
+        return v.axes if not isinstance(v.axes, tuple) else (frozenset() if not any(v.axes) else None)
+    if isinstance(v, TensorInfo):
+        return frozenset() if all(isinstance(p, Replicate) for p in v.layout.values()) else None
+    if v is not None or depth > 32:
+        return None
+    out = frozenset()
+    for x in a.all_input_nodes:
+        ax = _number_axes(x, depth + 1)
+        if ax is None or ax:
+            return None
+    return out
+
+
+def _sharded_source(a: fx.Node) -> str:
+    """Where a rank-dependent number comes from, for messages: the size read from a
+    sharded dim (``x.size(-1)``), found through the ops that combined it."""
+    seen, todo = set(), [a]
+    while todo:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        v = Ctx.info_of(n)
+        if isinstance(v, SizeInfo) and v.axes:
+            axes = sorted(v.axes) if not isinstance(v.axes, tuple) else sorted({x for ax in v.axes if ax for x in ax})
+            return f"`{n.name}`, the size of a dim sharded on {axes}"
+        if n.op == "call_module":
+            return f"the output of module `{n.target}`, which runs on local tensors"
+        todo.extend(n.all_input_nodes)
+    return "the size of a sharded dim"
+
+
+def _is_number_node(a) -> bool:
+    if not isinstance(a, fx.Node):
+        return False
+    v = Ctx.info_of(a)
+    if isinstance(v, SizeInfo):
+        return not isinstance(v.value, (tuple, list, torch.Size))
+    val = a.meta.get("val")
+    return v is None and isinstance(val, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(val, bool)
+
+
+def _traced_scalars(ctx: Ctx) -> list[fx.Node]:
+    """The traced Python numbers among a tensor op's operands; PlanError for one whose
+    value differs across ranks (derived from the size of a sharded dim)."""
+    out = []
+    for a in _flat(ctx.node.args, ctx.node.kwargs):
+        if not _is_number_node(a):
+            continue
+        axes = _number_axes(a)
+        if axes is None or axes:
+            raise ctx.fail(
+                f"operand `{a.name}` is a number computed at run time from {_sharded_source(a)}: each rank sees its "
+                f"local size, not the single-device one, so this op would compute with another number than on one device",
+                "use the global size as a literal (e.g. a module attribute such as self.head_dim), or read the size "
+                "from a dim that is not sharded")
+        out.append(a)
+    return out
+
+
+def scalar_value(ctx: Ctx) -> SizeInfo:
+    """An op on Python numbers only (``math.sqrt(n)``, ``1.0 / n``, ``max(n, 1)``): its value
+    is the same on every rank when its inputs are; anything derived from a sharded
+    size is not followed (``axes=None``).  ``int_arith`` keeps the sizes it can follow."""
+    axes = frozenset()
+    for a in _flat(ctx.node.args, ctx.node.kwargs):
+        ax = _number_axes(a)
+        if ax is None or ax:
+            axes = None
+            break
+    return SizeInfo(ctx.val, axes)
+
+
+def scalar_or(tensor_rule: Callable | None):
+    """``scalar_value`` when the op sees no tensor (``math.sqrt(n)``), else ``tensor_rule``
+    (None: a PlanError, the op has no rule for tensors)."""
+
+    def rule(ctx: Ctx):
+        if not ctx.tensor_args() and not isinstance(ctx.val, torch.Tensor):
+            return scalar_value(ctx)
+        if tensor_rule is None:
+            raise ctx.fail(f"{_name(ctx.node)} on a tensor has no layout rule", "make its input a Python number, or file an issue for a rule")
+        return tensor_rule(ctx)
+
+    rule.__name__ = "number arithmetic" if tensor_rule is None else getattr(tensor_rule, "__name__", "rule")
+    return rule
 
 
 # ----------------------------------------------------------------------------- linear algebra
@@ -370,6 +483,12 @@ def norm(weight_positions: tuple[int, ...]):
         x = ctx.t(0, "input")
         nd = len(x.shape)
         shape = ctx.arg(1, "normalized_shape")
+        if isinstance(shape, fx.Node):  # read at run time: nanoGPT's F.layer_norm(x, self.weight.shape, ...)
+            v = ctx.info_of(shape)
+            shape = v.value if isinstance(v, SizeInfo) else shape.meta.get("val")
+        if not isinstance(shape, (int, tuple, list, torch.Size)):
+            raise ctx.fail(f"cannot tell how many dims this norm normalizes (normalized_shape is {shape!r})",
+                           "pass normalized_shape as ints or as a tensor's .shape")
         k = 1 if isinstance(shape, int) else len(shape)
         weights = [(ctx.arg(i), ctx.t(i)) for i in weight_positions if ctx.t(i) is not None]
 
@@ -470,6 +589,57 @@ def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int],
     return groups
 
 
+def _is_blocked_dim(x: TensorInfo, d: int) -> bool:
+    """Does dim ``d`` of ``x`` carry the parts of a fused projection (``x.blocks``)?
+    The parts are those of the dim sharded like the fused weight: of the sharded dims
+    of their total size, the innermost (a linear's output features, not a batch dim
+    sharded on another axis that happens to have that size)."""
+    if x.blocks is None:
+        return False
+    dims = [p.dim for p in x.layout.values() if isinstance(p, Shard) and x.shape[p.dim] == sum(x.blocks)]
+    return bool(dims) and d == max(dims)
+
+
+def _blocked_view(ctx: Ctx, x: TensorInfo, axis: str, ins: list[int], outs: list[int], a, b) -> Shard | None:
+    """The layout of a view of a fused projection's output (``colwise(splits=...)``)
+    on the dim that carries the parts, or None when the view leaves that dim as it is.
+
+    Each rank holds ``[its slice of part 0 | its slice of part 1 | ...]``: not a
+    contiguous chunk of the dim, so the usual rule (the outermost output dim is
+    sharded) would give wrong numbers.  The view is a shard only when it keeps the
+    parts outermost: equal parts, the leading output dims enumerate exactly the parts
+    (``[..., 3 * D] -> [..., 3, H, hd]``), and the first dim of the rest divides by the
+    axis; then the dim after the parts is sharded.  Anything else is refused.
+    """
+    d = x.layout[axis].dim
+    blocks = x.blocks
+    ins_big = [i for i in ins if a[i] != 1]
+    outs_big = [o for o in outs if b[o] != 1]
+    if ins_big == [d] and len(outs_big) == 1 and b[outs_big[0]] == a[d]:
+        return None  # the blocked dim passes through unchanged (squeeze/unsqueeze/other dims)
+    k, n = len(blocks), ctx.axes[axis]
+    if ins_big == [d] and len(set(blocks)) == 1:
+        prod, j = 1, 0
+        while j < len(outs_big) and prod < k:
+            prod *= b[outs_big[j]]
+            j += 1
+        rest = outs_big[j:]
+        if prod == k and rest and b[rest[0]] % n == 0:
+            return Shard(rest[0])
+    src = ctx.arg(0)
+    view = [b[o] for o in outs]
+    owner = f"module `{src.args[1]}`" if getattr(src.target, "__name__", "") == "region_output" else "the projection that produces it"
+    raise ctx.fail(
+        f"reshape {list(a)} -> {list(b)} splits dim {d} (sharded on {axis!r}) of {_origin(src)}, a fused "
+        f"projection's output (splits={list(blocks)}): each rank holds its slice of every part, "
+        f"[part 0 slice | part 1 slice | ...], which is not a contiguous shard of the view {view} of that dim "
+        f"(the fused layout does not match this grouped view)",
+        f"drop splits= from colwise({axis!r}) of {owner} when the view's outermost dim ({view[0] if view else '?'}) "
+        f"is what should be sharded (each rank then holds whole groups, e.g. torchtitan's n_kv groups of "
+        f"[q heads, k, v]), or use separate projections for the parts; splits= fits only a view that keeps "
+        f"the parts outermost ([..., {k}, ...] with equal parts)")
+
+
 def reshape_like(ctx: Ctx):
     """view/reshape/flatten/unflatten/squeeze/unsqueeze/view_as_complex/view_as_real."""
     x = ctx.t(0)
@@ -482,6 +652,10 @@ def reshape_like(ctx: Ctx):
             return p
         for ins, outs in groups:
             if p.dim in ins:
+                if _is_blocked_dim(x, p.dim):
+                    blocked = _blocked_view(ctx, x, axis, ins, outs, a, b)
+                    if blocked is not None:
+                        return blocked
                 if any(a[d] != 1 for d in ins[: ins.index(p.dim)]):
                     break
                 o = next((d for d in outs if b[d] != 1), None)
@@ -674,6 +848,23 @@ def int_arith(op):
     return rule
 
 
+def factory(ctx: Ctx):
+    """torch.arange/zeros/ones/full/empty: a new tensor, Replicate, sized by literals or
+    by sizes every rank sees alike.  A size of a sharded dim (each rank's local size)
+    would build a local tensor that is not the single-device one laid out Replicate
+    (``arange(local_t)`` gives the first positions, not this rank's), so it is refused."""
+    for a in _flat(ctx.node.args, ctx.node.kwargs):
+        if isinstance(a, fx.Node) and (isinstance(ctx.info_of(a), SizeInfo) or _is_number_node(a)):
+            axes = _number_axes(a)
+            if axes is None or axes:
+                raise ctx.fail(f"{_name(ctx.node)} is sized by `{a.name}`, computed at run time from {_sharded_source(a)}: each rank "
+                               f"would build a tensor from its local size, not the single-device tensor",
+                               "size it with a literal (the global size) or with a size read from a dim that is not sharded")
+    if not isinstance(ctx.val, torch.Tensor):
+        return scalar_value(ctx)
+    return {axis: R for axis in ctx.axes}
+
+
 # ----------------------------------------------------------------------------- the table
 
 _add, _mul, _div = pointwise("add"), pointwise("mul"), pointwise("div")
@@ -700,7 +891,12 @@ RULES: dict[Any, Callable] = {
     torch.repeat_interleave: repeat_interleave, torch.split: split, torch.chunk: split,
     torch.cat: cat(False), torch.concat: cat(False), torch.stack: cat(True),
     torch.sum: reduction("sum"), torch.mean: reduction("mean"), torch.amax: reduction("amax"),
+    operator.mod: _nonlin, builtins.abs: _nonlin,
+    torch.arange: factory, torch.zeros: factory, torch.ones: factory, torch.full: factory, torch.empty: factory,
 }
+# Python numbers: math.* (fx autowraps the math module) and builtins a capture may record.
+RULES.update({f: scalar_or(None) for f in vars(math).values() if callable(f) and f not in RULES})
+RULES.update({f: scalar_or(None) for f in (builtins.min, builtins.max, builtins.round, builtins.int, builtins.float)})
 
 METHOD_RULES: dict[str, Callable] = {
     "add": _add, "sub": _add, "mul": _mul, "div": _div, "neg": _unary, "__add__": _add,

@@ -23,7 +23,7 @@ from fxshard.errors import PlacementMismatchError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
-from fxshard.rules import Ctx, rule_for
+from fxshard.rules import Ctx, rule_for, scalar_value
 
 
 def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
@@ -183,8 +183,8 @@ def _apply_rule(node: fx.Node, axes):
             meta.value = _wrap(node, {a: Replicate() for a in axes}, axes, requires_grad)
         elif isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val) and val:
             meta.value = _wrap(node, [{a: Replicate() for a in axes} for _ in val], axes, requires_grad)
-        elif isinstance(val, (int, torch.SymInt)):
-            meta.value = SizeInfo(val, frozenset())
+        elif isinstance(val, (int, float, torch.SymInt, torch.SymFloat)):
+            meta.value = scalar_value(ctx)  # the same on every rank only if its inputs are
         meta.rule = "replicated (no rule)"
         return
     meta.rule = name

@@ -140,11 +140,54 @@ def _local_region(gm, node, specs, declared_params, axes) -> LocalRegion:
     val = node.meta.get("val")
     names = spec.out_names or ("output",)
     if isinstance(val, (tuple, list)):
-        names = spec.out_names or tuple(str(i) for i in range(len(val)))
-        outs = tuple(_named_axes(_pick(spec.out_src, n, i, i == 0), axes, f"{where} out_src[{n!r}]") for i, n in enumerate(names))
+        outs = _region_outs(spec, val, where, axes)
     else:
         outs = _named_axes(_pick(spec.out_src, names[0], 0, True), axes, f"{where} out_src")
     return LocalRegion(fqn, pattern, outs, params, owners, spec.compute, spec if hasattr(spec, "region_layouts") else None, spec.style)
+
+
+def _region_outs(spec, val, where: str, axes) -> tuple[dict, ...]:
+    """The declared layout of every output of a local region returning a tuple.
+
+    ``out_src`` is one layout for all its tensor outputs (a bare layout: they are laid
+    out alike), a tuple by position, or a dict by ``out_names``.  A tensor output the
+    declaration leaves out is a PlanError that names it: the layout of a local region's
+    output is declared, never derived."""
+    names = spec.out_names or tuple(str(i) for i in range(len(val)))
+    if len(names) != len(val):
+        raise PlanError(f"{where}: out_names {tuple(names)} name {len(names)} outputs, but the module returns {len(val)}; "
+                        f"give one name per output")
+    out_src = spec.out_src
+    bare = isinstance(out_src, Placement) or _is_layout(out_src)
+    if isinstance(out_src, (tuple, list)) and len(out_src) > len(val):
+        raise PlanError(f"{where}: out_src has {len(out_src)} layouts, but the module returns {len(val)} outputs {list(names)}; "
+                        f"give one layout per output")
+    if isinstance(out_src, Mapping) and not bare:
+        unknown = [k for k in out_src if k not in names]
+        if unknown:
+            raise PlanError(f"{where}: out_src names outputs {unknown}, but the module's outputs are {list(names)}; "
+                            f"fix the names (or set out_names=)")
+    outs = []
+    for i, (n, v) in enumerate(zip(names, val)):
+        layout = out_src if bare else _pick(out_src, n, i, i == 0)
+        if layout is None:
+            if not isinstance(v, torch.Tensor):
+                outs.append({})  # not a tensor: nothing to lay out
+                continue
+            by = "by position" if isinstance(out_src, (tuple, list)) else "by name"
+            raise PlanError(
+                f"{where}: out_src gives no layout for output {n!r} (output {i} of {len(val)}, a tensor); the layout of a "
+                f"local region's output is declared, never derived. Fix: give every output a layout {by} "
+                f"(e.g. out_src={_example_outs(out_src, names)}), or one layout for all of them (out_src={{...}})")
+        outs.append(_named_axes(layout, axes, f"{where} out_src[{n!r}]"))
+    return tuple(outs)
+
+
+def _example_outs(out_src, names) -> str:
+    if isinstance(out_src, Mapping):
+        return "{" + ", ".join(f"{n!r}: {out_src[n]!r}" if out_src.get(n) is not None else f"{n!r}: {{...}}" for n in names) + "}"
+    given = list(out_src) if isinstance(out_src, (tuple, list)) else []
+    return "(" + ", ".join(repr(given[i]) if i < len(given) and given[i] is not None else "{...}" for i in range(len(names))) + ")"
 
 
 def _boundary(node, fqn, name, pattern_spec, mtype, axes) -> Boundary:

@@ -151,3 +151,21 @@ def test_torch_style_in_a_plain_plan():
 def test_transform_module_without_example_inputs():
     with pytest.raises(PlanError, match="example_inputs"):
         fxshard.transform(mlp(), Plan(tp(), {}))
+
+
+def test_traced_graph_with_recorded_shapes_needs_no_example_inputs():
+    """fxshard.trace(..., example_inputs) records shapes; transforming its graph without
+    example_inputs used to be refused because `getattr(ids, "device")` (from
+    ``torch.arange(T, device=ids.device)``) has no ``val``: only tensors carry one."""
+    plan = Plan(tp(), {"h.*.attn.c_attn": colwise(splits=[64, 64, 64]), "h.*.attn.c_proj": rowwise()})
+    model = gpt2()
+    gm = fxshard.trace(model, plan, example_inputs=(IDS,))
+    assert any(n.target is getattr and n.args[1] == "device" and "val" not in n.meta for n in gm.graph.nodes)
+    sharded = fxshard.transform(gm, plan)
+    again = fxshard.transform(gm, plan, example_inputs=(IDS,))
+    assert sharded.code == again.code
+
+
+def test_graph_without_recorded_shapes_is_refused():
+    with pytest.raises(PlanError, match=r"no recorded shapes: pass example_inputs="):
+        fxshard.transform(torch.fx.symbolic_trace(gpt2()), Plan(tp(), {}))

@@ -214,3 +214,93 @@ def test_data_parallel_local_region_simulated(block_cls):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     sharded = check_simulated(lambda: _net(block_cls), _dp_plan, (x,), {"dp": 2})
     assert info(_region_node(sharded, "block")).extra["region"].startswith("carved" if block_cls is Traceable else "as is")
+
+
+# --------------------------------------------------------------------------- several outputs, one out_src
+
+
+class TwoOutputs(nn.Module):
+    def forward(self, x):
+        a = torch.relu(x)
+        return a, a.sin()
+
+
+class TwoOutputsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.two = TwoOutputs()
+
+    def forward(self, x):
+        a, b = self.two(self.pre(x))
+        return a * b
+
+
+def _two_outputs():
+    torch.manual_seed(0)
+    return TwoOutputsNet()
+
+
+def _two_plan(out_src, out_names=None):
+    spec = ModuleSpec(local=True, inputs={"dp": Shard(0)}, out_src=out_src, out_names=out_names)
+    return lambda mesh: Plan(mesh, {"two": spec}, inputs={"x": {"dp": Shard(0)}})
+
+
+@pytest.mark.parametrize("out_src", [{"dp": Shard(0)}, Shard(0)], ids=["layout", "bare placement"])
+def test_one_out_src_lays_out_every_output(out_src):
+    """A single layout for a multi-output region applies to each output (used to raise
+    TypeError: 'NoneType' object is not iterable in regions)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    sharded = check_simulated(_two_outputs, _two_plan(out_src), (x,), {"dp": 2})
+    assert info(_region_node(sharded, "two")).declared.outs == ({"dp": Shard(0)}, {"dp": Shard(0)})
+
+
+@pytest.mark.parametrize("out_src,out_names,fragment", [
+    (({"dp": Shard(0)},), None, "out_src=({'dp': Shard(dim=0)}, {...})"),
+    (({"dp": Shard(0)}, None), None, "out_src=({'dp': Shard(dim=0)}, {...})"),
+    ({"a": {"dp": Shard(0)}}, ("a", "b"), "out_src={'a': {'dp': Shard(dim=0)}, 'b': {...}}"),
+], ids=["short tuple", "None entry", "missing name"])
+def test_missing_output_layout_names_region_output_and_fix(out_src, out_names, fragment):
+    plan = _two_plan(out_src, out_names)(MeshSpec(("dp",), (2,)))
+    with pytest.raises(fxshard.PlanError) as err:
+        fxshard.transform(_two_outputs(), plan, (torch.randn(4, 8),))
+    msg = str(err.value)
+    name = "'b'" if out_names else "'1'"
+    for part in ("local region 'two'", f"no layout for output {name}", "declared, never derived", fragment,
+                 "one layout for all of them"):
+        assert part in msg, f"{part!r} missing from:\n{msg}"
+
+
+def test_out_src_for_outputs_the_region_lacks():
+    with pytest.raises(fxshard.PlanError, match=r"out_src has 3 layouts, but the module returns 2 outputs"):
+        fxshard.transform(_two_outputs(), _two_plan(({}, {}, {}))(MeshSpec(("dp",), (2,))), (torch.randn(4, 8),))
+    with pytest.raises(fxshard.PlanError, match=r"out_src names outputs \['c'\], but the module's outputs are \['a', 'b'\]"):
+        fxshard.transform(_two_outputs(), _two_plan({"a": {}, "c": {}}, ("a", "b"))(MeshSpec(("dp",), (2,))), (torch.randn(4, 8),))
+
+
+class TensorAndSize(nn.Module):
+    def forward(self, x):
+        return torch.relu(x), x.size(0)
+
+
+class TensorAndSizeNet(nn.Module):
+    def __init__(self, use_size):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(8, 8)
+        self.two = TensorAndSize()
+        self.use_size = use_size
+
+    def forward(self, x):
+        a, n = self.two(self.pre(x))
+        return a * n if self.use_size else a
+
+
+def test_non_tensor_output_of_a_region_has_no_layout():
+    """One layout for (tensor, int): the int gets none (used to raise AttributeError in
+    propagate); the int, a size of the region's local input, cannot enter tensor math."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    plan = _two_plan({"dp": Shard(0)})
+    check_simulated(lambda: TensorAndSizeNet(False), plan, (x,), {"dp": 2})
+    with pytest.raises(fxshard.PlanError, match="(?s)`mul`.*the output of module `two`, which runs on local tensors"):
+        fxshard.transform(TensorAndSizeNet(True), plan(MeshSpec(("dp",), (2,))), (x,))

@@ -2,11 +2,17 @@
 only at declared boundaries; rewrites are flagged for the specialized passes."""
 from __future__ import annotations
 
+import math
+import operator
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard import MeshSpec, Plan, rowwise, vocab_parallel
+import fxshard
+from equivalence import check_simulated
+from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise, vocab_parallel
 from fxshard.boundary import region_output
 from fxshard.meta import KEY, SizeInfo, TensorInfo
 from fxshard.models import llama, llama_plan, mlp, tokens
@@ -68,3 +74,162 @@ def test_rewrites_are_flagged(after_pass):
     gm = after_pass("propagate", llama(), plan, (IDS,))
     emb = _value(gm, lambda n: n.target is F.embedding)
     assert emb.rewrite == "vocab_parallel_embedding" and emb.value.layout == {"tp": Partial()}
+
+
+# ----------------------------------------------------------------------------- views of a fused projection
+
+
+class GroupedQKV(torch.nn.Module):
+    """Two linears around a fused projection viewed as groups.
+
+    ``layout="grouped"`` is torchtitan's grouped fused QKV: out features ordered
+    ``[n_kv][heads_per_kv + 2][hd]``, viewed ``(b, s, n_kv, heads_per_kv + 2, hd)`` and
+    split ``[heads_per_kv, 1, 1]`` on the heads dim.  ``layout="parts"`` keeps q, k, v
+    outermost: ``(b, s, 3, n_heads, hd)`` (timm's ViT attention).
+    """
+
+    def __init__(self, layout="grouped", dim=32, n_kv=2, heads_per_kv=2, hd=4):
+        super().__init__()
+        self.layout, self.n_kv, self.hpk, self.hd = layout, n_kv, heads_per_kv, hd
+        self.n_heads = n_kv * heads_per_kv if layout == "grouped" else 4
+        out = n_kv * (heads_per_kv + 2) * hd if layout == "grouped" else 3 * self.n_heads * hd
+        self.wqkv = torch.nn.Linear(dim, out, bias=False)
+        self.wo = torch.nn.Linear(self.n_heads * hd, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.layout == "grouped":
+            xqkv = self.wqkv(x).view(b, s, self.n_kv, self.hpk + 2, self.hd)
+            q, k, v = xqkv.split([self.hpk, 1, 1], dim=-2)
+            out = q * torch.sigmoid(k) + v  # [b, s, n_kv, heads_per_kv, hd]
+        else:
+            xqkv = self.wqkv(x).view(b, s, 3, self.n_heads, self.hd)
+            q, k, v = xqkv[:, :, 0], xqkv[:, :, 1], xqkv[:, :, 2]
+            out = q * torch.sigmoid(k) + v  # [b, s, n_heads, hd]
+        return self.wo(out.reshape(b, s, self.n_heads * self.hd))
+
+
+def _grouped(layout):
+    torch.manual_seed(0)
+    return GroupedQKV(layout)
+
+
+XG = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(3))
+
+
+def test_fused_splits_refused_on_a_grouped_view():
+    """colwise(splits=[q, k, v]) gives each rank [q slice | k slice | v slice]: not a
+    shard of torchtitan's grouped view; it used to be accepted (max diff 1.4)."""
+    plan = Plan(MeshSpec(("tp",), (2,)), {"wqkv": colwise(splits=[16, 8, 8]), "wo": rowwise()})
+    with pytest.raises(PlanError) as err:
+        fxshard.transform(_grouped("grouped"), plan, (XG,))
+    msg = str(err.value)
+    for fragment in ("`view`", "module `wqkv`", "splits=[16, 8, 8]", "sharded on 'tp'", "not a contiguous shard",
+                     "drop splits= from colwise('tp') of module `wqkv`", "separate projections", "xqkv = self.wqkv(x).view("):
+        assert fragment in msg, f"{fragment!r} missing from:\n{msg}"
+
+
+def test_grouped_view_without_splits_is_equal():
+    """Plain colwise: each rank holds whole kv groups (the sharded view dim is n_kv)."""
+    check_simulated(lambda: _grouped("grouped"), lambda mesh: Plan(mesh, {"wqkv": colwise(), "wo": rowwise()}), (XG,), {"tp": 2})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_splits_with_parts_outermost_view_is_equal(tp, after_pass):
+    """[b, s, 3*D] -> [b, s, 3, H, hd] keeps the parts outermost: each rank's slice of
+    every part is a shard of the heads dim."""
+    plan_factory = lambda mesh: Plan(mesh, {"wqkv": colwise(splits=[16, 16, 16]), "wo": rowwise()})
+    check_simulated(lambda: _grouped("parts"), plan_factory, (XG,), {"tp": tp})
+    gm = after_pass("propagate", _grouped("parts"), plan_factory(MeshSpec(("tp",), (tp,))), (XG,))
+    view = _value(gm, lambda n: n.op == "call_method" and n.target == "view").value
+    assert view.layout == {"tp": Shard(3)} and view.local_shape == (2, 3, 3, 4 // tp, 4)
+
+
+# ----------------------------------------------------------------------------- traced Python numbers
+
+
+class Scaled(torch.nn.Module):
+    """``h (op) 1.0 / math.sqrt(h.size(d))``: a traced float, as nanoGPT's attention scale."""
+
+    def __init__(self, op="mul", dim=-1):
+        super().__init__()
+        self.op, self.dim = op, dim
+        self.fc1 = torch.nn.Linear(32, 64, bias=False)  # a Partial output with a bias could not be returned
+        self.fc2 = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        scale = 1.0 / math.sqrt(h.size(self.dim))
+        h = h * scale if self.op == "mul" else (h / scale if self.op == "div" else h + scale)
+        return self.fc2(h)
+
+
+def _scaled(op="mul", dim=-1):
+    torch.manual_seed(0)
+    return Scaled(op, dim)
+
+
+def _partial_fc1(mesh):
+    """fc1 row-parallel, kept Partial on exit; fc2 all-reduces it on entry."""
+    return Plan(mesh, {"fc1": rowwise(inputs=Replicate(), out=Partial()), "fc2": fxshard.ModuleSpec(inputs={"tp": Replicate()})})
+
+
+def test_traced_float_gets_a_size_info_not_a_layout(after_pass):
+    """Used to raise AttributeError: 'float' object has no attribute 'dim', even with an empty plan."""
+    x = torch.randn(2, 4, 32)
+    gm = after_pass("propagate", _scaled(), Plan(MeshSpec(("tp",), (2,)), {}), (x,))
+    sqrt = _value(gm, lambda n: n.target is math.sqrt)
+    assert sqrt.value == SizeInfo(8.0, frozenset())
+    div = _value(gm, lambda n: n.target is operator.truediv)
+    assert div.value == SizeInfo(1 / 8.0, frozenset())
+    assert _value(gm, lambda n: n.target is operator.mul).value.layout == {"tp": R}
+
+
+@pytest.mark.parametrize("op", ["mul", "div"])
+def test_traced_scalar_times_partial_is_partial(op, after_pass):
+    """Scaling is linear: a Partial times (or over) a traced scalar stays Partial, as with a literal."""
+    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(5))
+    gm = after_pass("propagate", _scaled(op), _partial_fc1(MeshSpec(("tp",), (2,))), (x,))
+    target = operator.mul if op == "mul" else operator.truediv
+    scaled = _value(gm, lambda n: n.target is target and isinstance(n.meta[KEY].value, TensorInfo))
+    assert scaled.value.layout == {"tp": Partial()}
+    check_simulated(lambda: _scaled(op), _partial_fc1, (x,), {"tp": 2})
+
+
+def test_traced_scalar_plus_partial_is_refused():
+    with pytest.raises(PlanError) as err:
+        fxshard.transform(_scaled("add"), _partial_fc1(MeshSpec(("tp",), (2,))), (torch.randn(2, 4, 32),))
+    msg = str(err.value)
+    assert "`add`" in msg and "not linear" in msg and "Partial" in msg and "axis 'tp'" in msg, msg
+
+
+def test_scalar_from_a_sharded_size_is_refused():
+    """``h.size(-1)`` of a column-parallel output is each rank's local size: the scale
+    would differ from the single-device one."""
+    plan = Plan(MeshSpec(("tp",), (2,)), {"fc1": colwise(), "fc2": rowwise()})
+    with pytest.raises(PlanError) as err:
+        fxshard.transform(_scaled("mul"), plan, (torch.randn(2, 4, 32),))
+    msg = str(err.value)
+    for fragment in ("`mul`", "operand `truediv`", "`size`, the size of a dim sharded on ['tp']", "local size", "literal"):
+        assert fragment in msg, f"{fragment!r} missing from:\n{msg}"
+    # a size of a dim that is not sharded is the same on every rank: equal
+    check_simulated(lambda: _scaled("mul", dim=1), lambda mesh: Plan(mesh, {"fc1": colwise(), "fc2": rowwise()}),
+                    (torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(6)),), {"tp": 2})
+
+
+class Positions(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(1), dtype=x.dtype)[None, :, None]
+
+
+def test_positions_from_a_sharded_size_are_refused():
+    """``torch.arange(x.size(1))`` of a sequence-sharded x would give every rank the first
+    positions, not its own: refused, not labelled Replicate with the global shape."""
+    x = torch.randn(2, 8, 4)
+    with pytest.raises(PlanError) as err:
+        fxshard.transform(Positions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}}), (x,))
+    msg = str(err.value)
+    for fragment in ("`arange`", "`size`, the size of a dim sharded on ['tp']", "local size", "literal"):
+        assert fragment in msg, f"{fragment!r} missing from:\n{msg}"
+    gm = fxshard.transform(Positions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(0)}}), (x,))
+    assert any(n.target is torch.arange for n in gm.graph.nodes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import traceback
 from typing import Any, Sequence
 
 import torch.fx as fx
@@ -55,7 +56,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The input is never mutated, also when the transform fails.  The
     plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
     """
-    with _gc_paused():
+    with _gc_paused(), _only_plan_errors():
         with maybe_disable_local_tensor_mode():
             gm = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
             axes = plan.axes
@@ -75,6 +76,21 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         cleanup(gm)
     gm.meta["fxshard_mesh"] = dict(axes)
     return gm
+
+
+@contextlib.contextmanager
+def _only_plan_errors():
+    """No exception but PlanError leaves ``transform``: a failure inside a pass is
+    reported as one, naming the pass (``propagate`` names the node itself)."""
+    try:
+        yield
+    except PlanError:
+        raise
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/passes/" in f.filename or "/fxshard/" in f.filename]
+        where = f" in {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+        raise PlanError(f"internal error{where}: {type(e).__name__}: {e}\n  fix: this is a bug in fxshard, please "
+                        f"report it with this message") from e
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard.boundary import region_input, region_output
-from fxshard.errors import PlacementMismatchError, node_error
+from fxshard.errors import PlacementMismatchError, PlanError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
@@ -29,30 +29,41 @@ from fxshard.rules import Ctx, rule_for, scalar_value
 def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     """Annotate every node with its layout (in place)."""
     for node in gm.graph.nodes:
-        meta = info(node)
         if node.op == "output":
             continue
-        if node.op == "placeholder":
-            meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
-            meta.rule = "plan input"
-        elif node.op == "get_attr":
-            attr = _fetch(gm, node.target)
-            if isinstance(attr, torch.Tensor):
-                node.meta.setdefault("val", attr)
-                meta.value = _tensor(node, meta.declared, axes, requires_grad=attr.requires_grad, what=f"parameter {node.target!r}")
-                meta.rule = "plan param" if not is_replicate(meta.declared) else "replicated param"
-                if "splits" in meta.extra:
-                    meta.value.blocks = _check_splits(node, meta.value, meta.extra["splits"], axes)
-        elif node.target is region_input:
-            _enter(node, axes)
-        elif node.target is region_output:
-            _exit(node, axes)
-        elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
-            _local_region(node, axes)
-        else:
-            _apply_rule(node, axes)
-        _flow_blocks(node)
+        try:
+            _propagate_node(gm, node, axes)
+        except PlanError:
+            raise
+        except Exception as e:  # a rule's own failure is reported at the node it failed on
+            raise node_error(node, f"internal error while deriving this node's layout: {type(e).__name__}: {e}",
+                             "this is a bug in fxshard, please report it with this message; meanwhile make this "
+                             "op's inputs Replicate in the plan") from e
     return gm
+
+
+def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes) -> None:
+    meta = info(node)
+    if node.op == "placeholder":
+        meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
+        meta.rule = "plan input"
+    elif node.op == "get_attr":
+        attr = _fetch(gm, node.target)
+        if isinstance(attr, torch.Tensor):
+            node.meta.setdefault("val", attr)
+            meta.value = _tensor(node, meta.declared, axes, requires_grad=attr.requires_grad, what=f"parameter {node.target!r}")
+            meta.rule = "plan param" if not is_replicate(meta.declared) else "replicated param"
+            if "splits" in meta.extra:
+                meta.value.blocks = _check_splits(node, meta.value, meta.extra["splits"], axes)
+    elif node.target is region_input:
+        _enter(node, axes)
+    elif node.target is region_output:
+        _exit(node, axes)
+    elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
+        _local_region(node, axes)
+    else:
+        _apply_rule(node, axes)
+    _flow_blocks(node)
 
 
 def _check_splits(node, value: TensorInfo, splits, axes):

@@ -21,7 +21,7 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 
-class _Stop(Exception):
+class _Stop(BaseException):  # not an Exception: transform turns those into PlanErrors
     def __init__(self, gm):
         super().__init__("stopped the pipeline")
         self.gm = gm

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ from torch import nn
 __all__ = [
     "StepSize", "SIZES", "MODES", "CONTENDERS", "torch_llama_plan", "MegatronLlama",
     "run_step_time", "time_on_mesh", "format_table", "summary_ratios", "progress",
+    "HF_CONTENDERS", "HF_SIZES", "SUITES", "Suite", "hf_llama", "hf_llama_config", "hf_tp_model",
+    "torch_hf_llama_plan", "interleave", "first_loss_spread",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -332,8 +334,9 @@ class MegatronLlama(nn.Module):
 # --------------------------------------------------------------------------- contenders
 
 
-def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], float]:
-    """The three contenders, and the single-device loss of the first step (their reference)."""
+def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], tuple, float]:
+    """The three contenders, their batch ``(ids, targets)`` and the single-device loss of
+    the first step (their reference)."""
     import fxshard
     from fxshard.models import llama, llama_plan, tokens
     from torch.distributed.tensor.parallel import parallelize_module
@@ -351,11 +354,191 @@ def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.M
         "fxshard": fxshard.transform(model, plan, example_inputs=(ids,)),
         "dtensor": localize_llama_heads(parallelize_module(copy.deepcopy(model), mesh, plan_dict), tp),
     }
+    targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
     with torch.no_grad():
-        targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
         single = F.cross_entropy(model(ids).flatten(0, 1).float(), targets.flatten()).item()
-    return {name: contenders[name] for name in CONTENDERS}, single
+    return {name: contenders[name] for name in CONTENDERS}, (ids, targets), single
 
+
+
+# --------------------------------------------------------------------------- HF Llama
+
+
+HF_CONTENDERS = ("hf_tp", "fxshard", "dtensor", "single")  # the reference first
+
+HF_SIZES = {
+    # CPU overhead (Python, dispatch, hooks, the latency of collectives) dominates
+    "small": StepSize("small", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=2048,
+                      batch=4, seqlen=32, iters=30),
+    # matmuls dominate: about a second per step on one core per rank
+    "large": StepSize("large", dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, ffn_hidden=2816, vocab_size=8192,
+                      batch=2, seqlen=256, iters=8),
+    # a realistic hidden size for one GPU each (torchrun)
+    "gpu": StepSize("gpu", dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32768,
+                    batch=4, seqlen=1024, iters=10),
+}
+
+
+def hf_llama_config(size: StepSize):
+    """The transformers ``LlamaConfig`` of ``size`` (no KV cache: training)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=size.dim, intermediate_size=size.ffn_hidden, num_hidden_layers=size.n_layers,
+                       num_attention_heads=size.n_heads, num_key_value_heads=size.n_kv_heads,
+                       vocab_size=size.vocab_size, max_position_embeddings=max(128, size.seqlen), use_cache=False)
+
+
+def hf_llama(size: StepSize, seed: int = 0) -> nn.Module:
+    """``LlamaForCausalLM`` of ``size`` with random weights (``seed``), in train mode."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(hf_llama_config(size)).train()
+
+
+def torch_hf_llama_plan() -> dict:
+    """The ``parallelize_module`` plan equal to HF's own Llama TP plan (``model.tp_plan``):
+    q/k/v and gate/up ``colwise``, o and down ``rowwise``, the token embedding
+    vocab-parallel (``embedding_rowwise``) and the LM head ``colwise_gather_output``.
+    HF's attention reshapes with ``-1`` heads, so local outputs need no head fix-up."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        plan[f"model.layers.*.{name}"] = ColwiseParallel()
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[f"model.layers.*.{name}"] = RowwiseParallel()
+    return plan
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars, no deprecation chatter from transformers while loading."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _torchrun_env(rank: int, world_size: int) -> Iterator[None]:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them (transformers' TP
+    reads them; spawned gloo ranks joined by TCP have none), restored afterwards."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    for k, v in zip(keys, (rank, world_size, rank)):
+        os.environ.setdefault(k, str(v))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hf_tp_model(model: nn.Module, mesh) -> nn.Module:
+    """HF's own tensor parallelism of ``model``: rank 0 ``save_pretrained`` s it to a
+    temporary directory, then every rank loads it with ``from_pretrained(dir, tp_plan="auto")``
+    (transformers builds its own ``("pp", "fsdp", "tp")`` mesh over the world, which must
+    therefore be ``mesh``; the ranks must share a file system)."""
+    if mesh.size() != dist.get_world_size():  # (HF's loader places the shards on its own device: LOCAL_RANK's)
+        raise ValueError(f"HF's tp_plan='auto' shards over the whole world ({dist.get_world_size()} ranks), "
+                         f"not over a {mesh.size()}-rank mesh")
+    rank = dist.get_rank()
+    holder = [tempfile.mkdtemp(prefix="fxshard_hf_tp_") if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = holder[0]
+    try:
+        with _quiet_transformers():
+            if rank == 0:
+                model.save_pretrained(path)
+            dist.barrier()
+            with _torchrun_env(rank, dist.get_world_size()):
+                tp = type(model).from_pretrained(path, tp_plan="auto")
+        dist.barrier()  # every rank has read the files
+    finally:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return tp.train()
+
+
+def _build_hf_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], dict, None]:
+    """HF's TP, fxshard, DTensor and one device on ``LlamaForCausalLM`` of ``size``, all
+    from the same weights, and their batch ``{"input_ids", "labels"}``."""
+    import fxshard
+    from fxshard.models import tokens
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = hf_llama(size, seed=0).to(device)
+    batch = {"input_ids": tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device),
+             "labels": tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)}
+    contenders = {
+        "hf_tp": hf_tp_model(model, mesh),
+        "fxshard": fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs=batch).train(),
+        "dtensor": parallelize_module(copy.deepcopy(model), mesh, torch_hf_llama_plan()),
+        "single": copy.deepcopy(model),  # every rank computes the whole model: the time of one device
+    }
+    return {name: contenders[name] for name in HF_CONTENDERS}, batch, None
+
+
+def _hf_train_step(model, opt, batch: dict) -> torch.Tensor:
+    loss = model(**batch).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+# --------------------------------------------------------------------------- suites
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One step-time comparison: its contenders and how to build and step them.
+
+    ``build(size, mesh, device)`` returns ``({contender: module}, batch, single-device
+    loss of the first step or None)``; ``step(module, optimizer, batch)`` one training
+    step, returning the loss.  Rows carry ``ratio_vs_<reference>``; every contender's loss
+    is compared at every step with ``loss_reference``'s (and the first one with one
+    device's; ``None`` from ``build``: ``loss_reference`` is that device).
+    """
+
+    name: str
+    contenders: tuple[str, ...]
+    reference: str
+    loss_reference: str
+    sizes: dict
+    build: Callable
+    step: Callable
+    file_prefix: str
+    title: str
+
+
+SUITES = {
+    "llama": Suite("llama", CONTENDERS, "megatron", "megatron", SIZES, _build_contenders,
+                   lambda m, opt, batch: _train_step(m, opt, *batch), "step_time",
+                   "fxshard.models.Llama: hand-written Megatron (megatron), fxshard, DTensor parallelize_module"),
+    "hf-llama": Suite("hf-llama", HF_CONTENDERS, "hf_tp", "single", HF_SIZES, _build_hf_contenders, _hf_train_step,
+                      "step_time_hf_llama",
+                      "transformers LlamaForCausalLM: HF from_pretrained(tp_plan='auto') (hf_tp), fxshard "
+                      "(Plan.from_hf), DTensor parallelize_module (same plan), one device (single)"),
+}
 
 def _inductor_skip_reason(device: str) -> str | None:
     if device == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or shutil.which("clang++")):
@@ -377,54 +560,91 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_block(size: StepSize, mode: str, mesh, device: str, warmup: int, iters: int, bar, profile_dir: str | None):
-    """Times every contender for one (size, mode): returns {contender: record} (this rank)."""
-    from fxshard.models import tokens
-
+def _time_block(size: StepSize, mode: str, mesh, device: str, warmup: int, iters: int, bar, profile_dir: str | None,
+                suite: "Suite | None" = None):
+    """Times every contender of ``suite`` (default: the Llama one) for one (size, mode):
+    returns {contender: record} (this rank)."""
+    suite = suite or SUITES["llama"]
     torch._dynamo.reset()
-    built, single = _build_contenders(size, mesh, device)
-    ids = tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device)
-    targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
+    built, batch, single = suite.build(size, mesh, device)
     runs = {}
     for name, model in built.items():
         fn = model if mode == "eager" else torch.compile(model, backend=mode)
         runs[name] = {"fn": fn, "opt": torch.optim.SGD(model.parameters(), lr=0.01), "times": [], "losses": [],
-                      "first_step_s": None, "error": None}
-    order = list(built)
+                      "first_step_s": None, "error": None, "params_per_rank": _local_numel(model)}
+    interleave(runs, lambda r: suite.step(r["fn"], r["opt"], batch), warmup, iters, bar, device,
+               count_graphs=mode != "eager")
+    if single is None:  # the suite times one device as a contender: its first loss is the reference
+        single = runs[suite.loss_reference]["losses"][0] if runs[suite.loss_reference]["losses"] else float("nan")
+    profiled = {}
+    if profile_dir is not None:
+        profiled = _profile(runs, lambda r: suite.step(r["fn"], r["opt"], batch), size, mode, device, profile_dir,
+                            max(PROFILE_STEPS, iters // 3), prefix=suite.file_prefix)
+    return {name: {k: v for k, v in r.items() if k not in ("fn", "opt")} | {"single_device_loss": single}
+            | profiled.get(name, {}) for name, r in runs.items()}
+
+
+def _local_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds (a DTensor's local shard): shows that a TP
+    contender is sharded as much as the others."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+
+
+def interleave(runs: dict[str, dict], step, warmup: int, iters: int, bar, device: str = "cpu",
+               count_graphs: bool = False) -> None:
+    """The timing loop shared by every suite: ``warmup + iters`` rounds; in each, every
+    contender takes one step (``step(run)`` returns its loss), the first contender rotating
+    so that none always follows the same one; each step starts after a barrier.
+
+    ``runs``: ``{name: {"times": [], "losses": [], "first_step_s": None, "error": None, ...}}``,
+    filled in place (this rank's times; the caller reduces over ranks).  A step that raises
+    (a backend that cannot compile a contender) records ``error`` and drops the contender.
+    ``count_graphs``: also record per contender the graph breaks and graphs that dynamo
+    counted during its steps (``graph_breaks``, ``graphs``).
+    """
+    from torch._dynamo.utils import counters
+
+    def graph_counts():
+        return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+    order = list(runs)
+    for r in runs.values():
+        r.setdefault("graph_breaks", 0)
+        r.setdefault("graphs", 0)
     for it in range(warmup + iters):
         k = it % len(order)  # rotate who goes first: no contender always follows the same one
         for name in order[k:] + order[:k]:
             r = runs[name]
             if r["error"] is not None:
                 continue
+            before = graph_counts() if count_graphs else None
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
             try:
-                loss = _train_step(r["fn"], r["opt"], ids, targets)
+                loss = step(r)
                 _sync(device)
             except Exception as e:  # a backend that cannot compile this contender: report, go on
-                r["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                r["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
                 continue
             dt = time.perf_counter() - t0
+            if before is not None:
+                after = graph_counts()
+                r["graph_breaks"] += after[0] - before[0]
+                r["graphs"] += after[1] - before[1]
             if it == 0:
                 r["first_step_s"] = dt
             if it >= warmup:
                 r["times"].append(dt)
             r["losses"].append(loss.item())
             bar.update()
-    profiled = {}
-    if profile_dir is not None:
-        profiled = _profile(runs, ids, targets, size, mode, device, profile_dir, max(PROFILE_STEPS, iters // 3))
-    return {name: {k: v for k, v in r.items() if k not in ("fn", "opt")} | {"single_device_loss": single}
-            | profiled.get(name, {}) for name, r in runs.items()}
 
 
 _COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:", "record_param_comms")
 PROFILE_STEPS = 5  # at least; short steps get more (a third of the timed steps), to average the noise
 
 
-def _profile(runs, ids, targets, size, mode, device, profile_dir, steps: int) -> dict[str, dict]:
+def _profile(runs, step, size, mode, device, profile_dir, steps: int, prefix: str = "step_time") -> dict[str, dict]:
     """torch.profiler tables (self CPU time per op, over ``steps`` steps) of every
     contender, written to ``profile_dir``; returns per contender the self CPU time per step
     spent outside collectives (compute and framework overhead) and inside them (mostly
@@ -433,14 +653,13 @@ def _profile(runs, ids, targets, size, mode, device, profile_dir, steps: int) ->
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     summary = {}
-    for name in CONTENDERS:
-        r = runs[name]
+    for name, r in runs.items():
         if r["error"] is not None:
             continue
         dist.barrier()
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                _train_step(r["fn"], r["opt"], ids, targets)
+                step(r)
             _sync(device)
         averages = prof.key_averages()
         comm_us = sum(e.self_cpu_time_total for e in averages if e.key.startswith(_COMM_PREFIXES))
@@ -449,7 +668,7 @@ def _profile(runs, ids, targets, size, mode, device, profile_dir, steps: int) ->
                              profile_comm_ms=comm_us / 1e3 / steps, profile_steps=steps)
         if dist.get_rank() == 0:
             table = averages.table(sort_by="self_cpu_time_total", row_limit=30)
-            path = os.path.join(profile_dir, f"step_time_profile_{size.name}_{mode}_{name}.txt")
+            path = os.path.join(profile_dir, f"{prefix}_profile_{size.name}_{mode}_{name}.txt")
             with open(path, "w") as fh:
                 fh.write(f"{name}, {size.name} ({size.describe()}), {mode}: {steps} training steps, rank 0\n"
                          f"self CPU per step: {summary[name]['profile_cpu_ms']:.2f} ms outside collectives, "
@@ -459,31 +678,35 @@ def _profile(runs, ids, targets, size, mode, device, profile_dir, steps: int) ->
 
 def time_on_mesh(mesh, sizes: Iterable[StepSize], modes: Iterable[str] = ("eager", "aot_eager"), *, warmup: int = 2,
                  iters: int | None = None, device: str = "cpu", profile_dir: str | None = None,
-                 show_progress: bool = True) -> list[dict]:
+                 show_progress: bool = True, model: str = "llama") -> list[dict]:
     """The step-time comparison on an initialised 1-D ``("tp",)`` mesh; every rank calls
     it and gets the same rows (step times are the max over ranks).  Progress on rank 0.
+    ``model``: the suite (:data:`SUITES`): ``"llama"`` (fxshard's Llama: megatron, fxshard,
+    dtensor) or ``"hf-llama"`` (transformers' Llama: hf_tp, fxshard, dtensor, single).
 
     Example (inside each rank of a job, as ``python -m fxshard demo --bench`` does)::
 
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         print(bench.format_table(bench.time_on_mesh(mesh, [bench.SIZES["small"]], ["eager"])))
     """
+    suite = SUITES[model]
+    names = suite.contenders
     sizes, modes = list(sizes), list(modes)
     rank = dist.get_rank()
     steps = {s.name: iters if iters is not None else s.iters for s in sizes}  # timed steps per contender
-    total = sum(len(modes) * len(CONTENDERS) * (warmup + steps[s.name]) for s in sizes)
+    total = sum(len(modes) * len(names) * (warmup + steps[s.name]) for s in sizes)
     rows = []
-    with progress(total, "step time", enabled=show_progress and rank == 0) as bar:
+    with progress(total, f"step time {model}", enabled=show_progress and rank == 0) as bar:
         for size in sizes:
             for mode in modes:
-                bar.set_description(f"step time {size.name}/{mode}")
+                bar.set_description(f"step time {model} {size.name}/{mode}")
                 skip = _inductor_skip_reason(device) if mode == "inductor" else None
                 if skip:
-                    rows += [dict(size=size.name, mode=mode, contender=c, tp=mesh.size(), skipped=skip) for c in CONTENDERS]
-                    bar.update(len(CONTENDERS) * (warmup + steps[size.name]))
+                    rows += [dict(size=size.name, mode=mode, contender=c, tp=mesh.size(), skipped=skip) for c in names]
+                    bar.update(len(names) * (warmup + steps[size.name]))
                     continue
-                records = _time_block(size, mode, mesh, device, warmup, steps[size.name], bar, profile_dir)
-                rows += _rows_of(size, mode, records, steps[size.name], device, mesh.size())
+                records = _time_block(size, mode, mesh, device, warmup, steps[size.name], bar, profile_dir, suite)
+                rows += _rows_of(size, mode, records, steps[size.name], device, mesh.size(), suite)
     return rows
 
 
@@ -493,10 +716,12 @@ def _reduce(values: list[float], op, device: str) -> list[float]:
     return t.tolist()
 
 
-def _rows_of(size: StepSize, mode: str, records: dict, iters: int, device: str, tp: int) -> list[dict]:
+def _rows_of(size: StepSize, mode: str, records: dict, iters: int, device: str, tp: int,
+             suite: Suite | None = None) -> list[dict]:
+    suite = suite or SUITES["llama"]
     rows = []
-    ref_losses = records["megatron"]["losses"]
-    for name in CONTENDERS:
+    ref_losses = records[suite.loss_reference]["losses"]
+    for name in suite.contenders:
         rec = records[name]
         ok = _reduce([float(rec["error"] is None and len(rec["times"]) == iters)], dist.ReduceOp.MIN, device)[0]
         if not ok:
@@ -507,16 +732,20 @@ def _rows_of(size: StepSize, mode: str, records: dict, iters: int, device: str, 
         first = _reduce([rec["first_step_s"]], dist.ReduceOp.MAX, device)[0]
         # every step against the reference contender, and the first step against one device
         diff = max([abs(a - b) for a, b in zip(rec["losses"], ref_losses)] + [abs(rec["losses"][0] - rec["single_device_loss"])])
-        rows.append(dict(size=size.name, mode=mode, contender=name, tp=tp, median_ms=1e3 * statistics.median(times),
-                         p10_ms=1e3 * _quantile(times, 0.1), p90_ms=1e3 * _quantile(times, 0.9),
-                         first_step_s=first, steps=len(rec["losses"]), loss_first=rec["losses"][0],
-                         loss_single_device=rec["single_device_loss"],
-                         loss_last=rec["losses"][-1], max_loss_diff=diff, times_ms=[1e3 * t for t in times],
-                         **{k: rec[k] for k in ("profile_cpu_ms", "profile_comm_ms", "profile_steps") if k in rec}))
-    ref = next((r for r in rows if r["contender"] == "megatron" and "median_ms" in r), None)
+        row = dict(size=size.name, mode=mode, contender=name, tp=tp, median_ms=1e3 * statistics.median(times),
+                   p10_ms=1e3 * _quantile(times, 0.1), p90_ms=1e3 * _quantile(times, 0.9),
+                   first_step_s=first, steps=len(rec["losses"]), loss_first=rec["losses"][0],
+                   loss_single_device=rec["single_device_loss"],
+                   loss_last=rec["losses"][-1], max_loss_diff=diff, times_ms=[1e3 * t for t in times],
+                   **{k: rec[k] for k in ("params_per_rank", "profile_cpu_ms", "profile_comm_ms", "profile_steps")
+                      if k in rec})
+        if mode != "eager":  # what dynamo made of it (rank 0's counts)
+            row.update(graph_breaks=rec.get("graph_breaks", 0), graphs=rec.get("graphs", 0))
+        rows.append(row)
+    ref = next((r for r in rows if r["contender"] == suite.reference and "median_ms" in r), None)
     for r in rows:
         if ref is not None and "median_ms" in r:
-            r["ratio_vs_megatron"] = r["median_ms"] / ref["median_ms"]
+            r[f"ratio_vs_{suite.reference}"] = r["median_ms"] / ref["median_ms"]
     return rows
 
 
@@ -535,18 +764,20 @@ def _spawned(rank: int, world_size: int, kwargs: dict, out_path: str) -> None:
             json.dump(rows, fh)
 
 
-def _in_process(tp: int, device: str, sizes, modes, warmup, iters, profile_dir, show_progress) -> list[dict]:
+def _in_process(tp: int, device: str, sizes, modes, warmup, iters, profile_dir, show_progress,
+                model: str = "llama") -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.split(":")[0], (tp,), mesh_dim_names=("tp",))
     return time_on_mesh(mesh, sizes, modes, warmup=warmup, iters=iters, device=device, profile_dir=profile_dir,
-                        show_progress=show_progress)
+                        show_progress=show_progress, model=model)
 
 
 def run_step_time(sizes: Iterable[StepSize], tp: int = 2, modes: Iterable[str] = ("eager", "aot_eager"), *,
                   warmup: int = 2, iters: int | None = None, device: str = "cpu", profile_dir: str | None = None,
-                  show_progress: bool = True) -> list[dict]:
-    """Times one training step of every contender; returns one row per (size, mode, contender).
+                  show_progress: bool = True, model: str = "llama") -> list[dict]:
+    """Times one training step of every contender of suite ``model`` (:data:`SUITES`);
+    returns one row per (size, mode, contender).
 
     ``iters`` timed steps per contender (default: each size's ``iters``) after ``warmup``.
     On CPU, spawns ``tp`` gloo processes (one thread each).  Launched by ``torchrun``
@@ -554,17 +785,21 @@ def run_step_time(sizes: Iterable[StepSize], tp: int = 2, modes: Iterable[str] =
     the world size (NCCL on CUDA); only rank 0 returns the rows, the others ``[]``.
     ``profile_dir``: also write a torch.profiler table per contender there.
 
-    A row: ``size, mode, contender, tp, median_ms, p10_ms, p90_ms, ratio_vs_megatron,
-    first_step_s`` (includes compilation), ``loss_first, loss_single_device, loss_last,
-    max_loss_diff`` (the largest difference from the reference's loss at any
-    step, and of the first loss from the single-device one); or ``skipped`` with the reason.
+    A row: ``size, mode, contender, tp, median_ms, p10_ms, p90_ms, ratio_vs_<reference>``
+    (``ratio_vs_megatron``, ``ratio_vs_hf_tp``), ``first_step_s`` (includes compilation),
+    ``loss_first, loss_single_device, loss_last, max_loss_diff`` (the largest difference
+    from the loss reference's loss at any step, and of the first loss from the
+    single-device one), under compile ``graph_breaks, graphs`` (dynamo's counts); or
+    ``skipped`` with the reason.
     """
     sizes, modes = list(sizes), list(modes)
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; choose from {MODES}")
+    if model not in SUITES:
+        raise ValueError(f"unknown model {model!r}; choose from {list(SUITES)}")
     kwargs = dict(sizes=sizes, modes=modes, warmup=warmup, iters=iters, profile_dir=profile_dir,
-                  show_progress=show_progress)
+                  show_progress=show_progress, model=model)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _under_torchrun(device, kwargs)
     if device != "cpu":
@@ -596,16 +831,38 @@ def _under_torchrun(device: str, kwargs: dict) -> list[dict]:
 # --------------------------------------------------------------------------- reporting
 
 
+def _contenders_of(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["contender"] for r in rows))
+
+
+def _reference_of(rows: list[dict]) -> str | None:
+    return next((k[len("ratio_vs_"):] for r in rows for k in r if k.startswith("ratio_vs_")), None)
+
+
 def summary_ratios(rows: list[dict]) -> list[dict]:
-    """Per (size, mode): fxshard / megatron and fxshard / dtensor (median step times)."""
+    """Per (size, mode): ``fxshard_vs_<c>`` = fxshard's median step time / ``c``'s, for
+    every other contender ``c`` (Llama: megatron, dtensor; HF Llama: hf_tp, dtensor,
+    single); ``None`` where either was skipped."""
     out = []
+    others = [c for c in _contenders_of(rows) if c != "fxshard"]
     keys = dict.fromkeys((r["size"], r["mode"]) for r in rows)
     for size, mode in keys:
         med = {r["contender"]: r.get("median_ms") for r in rows if r["size"] == size and r["mode"] == mode}
         fx = med.get("fxshard")
-        out.append(dict(size=size, mode=mode,
-                        fxshard_vs_megatron=fx / med["megatron"] if fx and med.get("megatron") else None,
-                        fxshard_vs_dtensor=fx / med["dtensor"] if fx and med.get("dtensor") else None))
+        out.append(dict(size=size, mode=mode, **{f"fxshard_vs_{c}": fx / med[c] if fx and med.get(c) else None
+                                                 for c in others}))
+    return out
+
+
+def first_loss_spread(rows: list[dict]) -> list[dict]:
+    """Per (size, mode): the largest difference between the contenders' step-0 losses
+    (same weights, same batch: it should be float noise)."""
+    out = []
+    for size, mode in dict.fromkeys((r["size"], r["mode"]) for r in rows):
+        losses = {r["contender"]: r["loss_first"] for r in rows
+                  if r["size"] == size and r["mode"] == mode and "loss_first" in r}
+        spread = max(losses.values()) - min(losses.values()) if losses else None
+        out.append(dict(size=size, mode=mode, losses=losses, max_diff=spread))
     return out
 
 
@@ -614,32 +871,39 @@ def format_table(rows: list[dict], title: str | None = None) -> str:
     buf = io.StringIO()
     if title:
         print(title, file=buf)
-    head = f"{'size':<6} {'mode':<10} {'contender':<9} {'median ms':>10} {'p10-p90 ms':>16} {'vs megatron':>11} {'1st step s':>10}  {'loss ok':<7}"
+    ref = _reference_of(rows) or "megatron"
+    width = max([9] + [len(c) for c in _contenders_of(rows)])
+    head = (f"{'size':<6} {'mode':<10} {'contender':<{width}} {'median ms':>10} {'p10-p90 ms':>16} {'vs ' + ref:>11} "
+            f"{'1st step s':>10}  {'loss ok':<7}")
     print(head, file=buf)
     print("-" * len(head), file=buf)
     for r in rows:
         if "skipped" in r:
-            print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<9} skipped: {r['skipped']}", file=buf)
+            print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<{width}} skipped: {r['skipped']}", file=buf)
             continue
         spread = f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}"
         ok = "yes" if r["max_loss_diff"] <= 1e-4 else f"NO ({r['max_loss_diff']:.1e})"
-        print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<9} {r['median_ms']:>10.2f} {spread:>16} "
-              f"{r.get('ratio_vs_megatron', float('nan')):>11.2f} {r['first_step_s']:>10.2f}  {ok:<7}", file=buf)
+        note = f"  {r['graphs']} graphs, {r['graph_breaks']} breaks" if "graphs" in r else ""
+        print(f"{r['size']:<6} {r['mode']:<10} {r['contender']:<{width}} {r['median_ms']:>10.2f} {spread:>16} "
+              f"{r.get('ratio_vs_' + ref, float('nan')):>11.2f} {r['first_step_s']:>10.2f}  {ok:<7}{note}", file=buf)
     print(file=buf)
-    for s in summary_ratios(rows):
-        a = "n/a" if s["fxshard_vs_megatron"] is None else f"{s['fxshard_vs_megatron']:.2f}"
-        b = "n/a" if s["fxshard_vs_dtensor"] is None else f"{s['fxshard_vs_dtensor']:.2f}"
-        print(f"{s['size']:<6} {s['mode']:<10} fxshard/megatron = {a}   fxshard/dtensor = {b}", file=buf)
+    for s, f in zip(summary_ratios(rows), first_loss_spread(rows)):
+        ratios = "   ".join(f"{k.replace('_vs_', '/')} = {'n/a' if v is None else f'{v:.2f}'}"
+                            for k, v in s.items() if k.startswith("fxshard_vs_"))
+        diff = "n/a" if f["max_diff"] is None else f"{f['max_diff']:.1e}"
+        print(f"{s['size']:<6} {s['mode']:<10} {ratios}   step-0 loss max diff = {diff}", file=buf)
     return buf.getvalue().rstrip("\n")
 
 
-def sizes_by_name(names: Iterable[str], **overrides) -> list[StepSize]:
-    """``SIZES[name]`` for each name, with field overrides (``batch=2``) applied to all."""
+def sizes_by_name(names: Iterable[str], model: str = "llama", **overrides) -> list[StepSize]:
+    """The sizes of suite ``model`` (``SIZES``, ``HF_SIZES``) by name, with field overrides
+    (``batch=2``) applied to all."""
+    table = SUITES[model].sizes
     out = []
     for n in names:
-        if n not in SIZES:
-            raise ValueError(f"unknown size {n!r}; choose from {list(SIZES)}")
-        out.append(replace(SIZES[n], **{k: v for k, v in overrides.items() if v is not None}))
+        if n not in table:
+            raise ValueError(f"unknown size {n!r}; choose from {list(table)}")
+        out.append(replace(table[n], **{k: v for k, v in overrides.items() if v is not None}))
     return out
 
 

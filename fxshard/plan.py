@@ -183,10 +183,17 @@ def vocab_parallel(axis: str = "tp", *, out: Placement = Replicate()) -> ModuleS
 
 def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
     """Presets follow torch's styles: on an ``nn.Embedding`` colwise shards the
-    embedding dim and rowwise is the vocab-parallel embedding."""
+    embedding dim and rowwise is the vocab-parallel embedding.  On transformers'
+    ``Conv1D`` (GPT-2's linear: weight ``[in, out]``, ``addmm(bias, x, weight)``) the
+    weight's dims are swapped, so colwise shards weight dim 1 (and the bias) and rowwise
+    weight dim 0; inputs and outputs stay as for ``nn.Linear``."""
     import torch.nn as nn
 
-    if module_type is None or not issubclass(module_type, nn.Embedding):
+    if module_type is None:
+        return spec
+    if _is_conv1d(module_type):
+        return _for_conv1d(spec)
+    if not issubclass(module_type, nn.Embedding):
         return spec
     if spec.style == "colwise":
         (axis,) = spec.params["weight"]
@@ -194,6 +201,22 @@ def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
     if spec.style == "rowwise":
         (axis,) = spec.params["weight"]
         return vocab_parallel(axis, out=spec.out_dst[axis])
+    return spec
+
+
+def _is_conv1d(module_type: type) -> bool:
+    """transformers.pytorch_utils.Conv1D (or a subclass), known by name so that fxshard
+    never imports transformers; torch's ``nn.Conv1d`` is a convolution, not this."""
+    return any(c.__name__ == "Conv1D" for c in getattr(module_type, "__mro__", ()))
+
+
+def _for_conv1d(spec: ModuleSpec) -> ModuleSpec:
+    if spec.style == "colwise":
+        (axis,) = spec.params["weight"]
+        return replace(spec, params={"weight": {axis: Shard(1)}, "bias": {axis: Shard(0)}})
+    if spec.style == "rowwise":
+        (axis,) = spec.params["weight"]
+        return replace(spec, params={"weight": {axis: Shard(0)}})  # bias replicated, added after the reduction
     return spec
 
 
@@ -286,6 +309,31 @@ class Plan:
         lines.append("}" + (f", inputs={{{', '.join(f'{k!r}: {fmt_layout(v)}' for k, v in self.inputs.items())}}}" if self.inputs else "") + ")")
         return "\n".join(lines)
 
+    # -- conversion from transformers' plans ------------------------------------------------
+    @classmethod
+    def from_hf(cls, mesh: Mesh, model, *, axis: str = "tp", sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> "Plan":
+        """The tensor-parallel plan a transformers model ships, as an fxshard Plan.
+
+        Reads ``config.base_model_tp_plan`` and the head's ``_tp_plan`` (HF's style
+        strings, ``"colwise"``, ``"rowwise"``, ...; see :mod:`fxshard.frontend.hf_plan`
+        for the mapping); entries for modules this model lacks are dropped, a tied LM
+        head and embedding get one layout.  GPT-2, for which HF ships no plan, gets
+        fxshard's.  ``sequence_parallel``: Megatron-style sequence-sharded residual
+        stream; ``loss_parallel``: vocab-sharded logits.  MoE and unknown styles raise
+        ``PlanError``.
+
+        Example::
+
+            model = transformers.LlamaForCausalLM(config)
+            plan = fxshard.Plan.from_hf(mesh, model, sequence_parallel=True)
+            print(plan)   # 'model.layers.*.self_attn.q_proj': ModuleSpec(style='colwise', ...)
+        """
+        from .frontend.hf_plan import plan_from_hf  # duck-typed on the model: transformers is never imported
+
+        plan = plan_from_hf(mesh, model, axis=axis, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs)
+
     # -- conversion from torch.distributed.tensor.parallel ---------------------------------
     @classmethod
     def from_torch(cls, mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: str | None = None, inputs=None) -> "Plan":
@@ -338,6 +386,24 @@ class Plan:
             else:
                 raise PlanError(f"Plan.from_torch entry {pattern!r}: no conversion for {type(style).__name__}; write an fxshard.ModuleSpec for it")
         return cls(mesh, specs, inputs=inputs)
+
+    @classmethod
+    def from_torchtitan(cls, mesh: Mesh, model, **kw) -> "Plan":
+        """torchtitan's own tensor/sequence-parallel plan for ``model`` (a torchtitan
+        decoder such as ``Llama3Model``, built from its config), converted.
+
+        Keywords (see :func:`fxshard.frontend.torchtitan_plan.plan_from_torchtitan`):
+        ``axis="tp"``, ``loss_parallel=False``, ``sequence_parallel=True``, ``inputs``.
+
+        Example::
+
+            plan = Plan.from_torchtitan(MeshSpec(("tp",), (2,)), model, loss_parallel=True)
+            plan.specs["lm_head"].out_dst        # {'tp': Shard(dim=-1)}
+        """
+        from .frontend.torchtitan_plan import plan_from_torchtitan  # torchtitan is optional: import it on use
+
+        plan = plan_from_torchtitan(mesh, model, **kw)
+        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs)
 
 
 def _is_layout(v) -> bool:

@@ -16,6 +16,7 @@ from .errors import PlanError
 from .meta import KEY
 from .plan import Plan
 from .frontend.capture import flat_inputs
+from .module_state import add_missing_state, named_state
 from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
@@ -175,15 +176,4 @@ def _keep_unreferenced_state(gm: fx.GraphModule, new: fx.GraphModule, memo: dict
     reads a tied weight under one name (``model.embed_tokens.weight``, not
     ``lm_head.weight``) and no unused parameter at all.  Every FQN of the model stays:
     ``state_dict`` keys and ties are the model's (``memo`` maps to the copies made)."""
-    tensors = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
-    tensors += [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
-    for fqn, t, is_param in tensors:
-        owner_path, _, name = fqn.rpartition(".")
-        owner = new
-        for part in owner_path.split(".") if owner_path else ():
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]
-        store = owner._parameters if is_param else owner._buffers
-        if name not in store:
-            store[name] = copy.deepcopy(t, memo)
+    add_missing_state(new, [(n, copy.deepcopy(t, memo), p) for n, t, p in named_state(gm)])

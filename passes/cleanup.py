@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxshard.module_state import drop_unused_modules
+
 from fxshard import runtime
 
 _INVERSE = {runtime.shard: runtime.all_gather, runtime.all_gather: runtime.shard}
@@ -27,6 +29,6 @@ def cleanup(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
     graph.eliminate_dead_code()
     graph.lint()
-    gm.delete_all_unused_submodules()
+    drop_unused_modules(gm)
     gm.recompile()
     return gm

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlanError
+from fxshard.module_state import drop_unused_modules
 
 _ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh, nn.Sigmoid: F.sigmoid}
 
@@ -89,7 +90,7 @@ def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
                 n.meta["val"] = node.meta["val"] if n is not x else node.args[0].meta.get("val")
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-    _drop_unused_leaves(gm)
+    drop_unused_modules(gm)  # the replaced leaves; their parameters stay
     gm.recompile()
     return gm
 
@@ -146,9 +147,3 @@ def _nodes_between(first: fx.Node, last: fx.Node):
         if n is last:
             return
         n = n.next
-
-
-def _drop_unused_leaves(gm: fx.GraphModule) -> None:
-    """Keep the replaced modules' parameters (reached via get_attr) but drop modules
-    no node calls any more, so the GraphModule holds what the graph uses."""
-    gm.delete_all_unused_submodules()

@@ -351,6 +351,8 @@ def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphM
         for i, (g, want) in enumerate(zip(rec.input_grads[k], ref.input_grads[k])):
             if want is not None:
                 _close(rank_value(g, rank), slice_for(want, in_layouts[i], coord, mesh), case, f"{where} {step}: grad of input {i}")
+        assert set(rec.param_grads[k]) == set(ref.param_grads[k]), \
+            f"{case.name}: parameter FQNs differ from the model's: {sorted(set(rec.param_grads[k]) ^ set(ref.param_grads[k]))}"
         for fqn, g in rec.param_grads[k].items():
             layout, global_shape = state.get(fqn, ({}, None))
             want = ref.param_grads[k][fqn]

@@ -40,6 +40,7 @@ from torch.export import Dim
 from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
+from fxshard.module_state import add_missing_state, named_state
 
 
 @torch.library.custom_op("fxshard::module_boundary", mutates_args=())
@@ -80,6 +81,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
                             f"{_first_line(e)}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
                             f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
     gm = ep.module()
+    _every_fqn(gm, model)
     _drop_guards(gm)
     _markers_from_boundaries(gm)
     translate_aten(gm)
@@ -219,6 +221,18 @@ def _mark_outputs(fqn: str, out_names):
 
 
 # ----------------------------------------------------------------------------- normalization
+
+
+def _every_fqn(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Export keeps a tied weight under one of its names only (GPT-2's ``wte.weight``
+    lives on as ``lm_head.weight``): give the captured module every name the model has,
+    bound to the same tensor, so plans and ``state_dict`` keys read as for the model."""
+    have = {fqn: t for fqn, t, _ in named_state(gm)}
+    by_id = {}
+    for fqn, t, _ in named_state(model):
+        if fqn in have:
+            by_id.setdefault(id(t), have[fqn])
+    add_missing_state(gm, [(fqn, by_id[id(t)], p) for fqn, t, p in named_state(model) if fqn not in have and id(t) in by_id])
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:

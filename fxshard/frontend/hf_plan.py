@@ -1,0 +1,501 @@
+"""Import the tensor-parallel plan a transformers model ships as an fxshard :class:`~fxshard.Plan`.
+
+HF writes its plans as data: ``config.base_model_tp_plan`` (keys relative to the base
+model, ``"layers.*.self_attn.q_proj": "colwise"``) and the head's ``_tp_plan``
+(``{"lm_head": "colwise_gather_output"}``); ``PreTrainedModel.post_init`` merges them
+into ``model.tp_plan`` with absolute keys, plus ``embed_tokens: embedding_rowwise``
+when the base model has an ``embed_tokens`` embedding the plan does not name.  Each
+style string names one of ``transformers.distributed.tensor_parallel``'s styles
+(``ALL_PARALLEL_STYLES``).  They map by what the style *does* (its parameter
+placements and its forward hooks), not by its name:
+
+==================================  ==================================================
+HF style                            fxshard spec
+==================================  ==================================================
+``colwise``                         ``colwise(axis)``
+``colwise_gather_output``,          ``colwise(axis, out=Replicate())``
+``colwise_rep``
+``rowwise``                         ``rowwise(axis)``
+``rowwise_split_input``,            ``rowwise(axis, inputs=Replicate())``
+``rowwise_rep``
+``packed_colwise`` (2-D weight)     ``colwise(axis, splits=[half, half])`` (gate | up on
+                                    dim 0, each half sharded: HF's ``_StridedShard``)
+``embedding_rowwise``               ``vocab_parallel(axis)``
+``embedding_colwise``               colwise on an ``nn.Embedding``: weight ``Shard(1)``,
+                                    output gathered (``out=Replicate()``, as HF does)
+``sequence_parallel``               ``sequence_parallel(axis)``
+``all_reduce``                      ``ModuleSpec(out_src=Partial(), out_dst=Replicate())``
+``replicated_with_grad_allreduce``  ``ModuleSpec()``: fxshard's grad-sync rule sums the
+                                    gradients of replicated params used on sharded values
+``local_params``, ``replicate``     ``ModuleSpec()``: fxshard always runs on local shards
+``mla_kv_a_proj``                   ``ModuleSpec()``: the module is replicated; HF's
+                                    all-reduce of the rope part's gradient is what layout
+                                    propagation derives (a replicated value used with
+                                    head-sharded ones; today's rules refuse that mix at
+                                    MLA's ``cat``/``copy_`` with a PlanError)
+MoE: ``moe_tp_experts``,            ``PlanError``: expert parallelism, not supported by
+``moe_identity_expert``,            ``Plan.from_hf`` yet
+``packed_rowwise``, ``grouped_gemm``,
+``ep_*``, any style on a 3-D param
+==================================  ==================================================
+
+A key may also name a *parameter* (``"layers.*.self_attn.sinks": "colwise"``): HF then
+applies only the style's parameter placement (``Shard(ndim - 2)`` for colwise,
+``Shard(-1)`` for rowwise); it becomes ``params={"sinks": ...}`` of the owning module.
+
+What the importer adds to HF's plan:
+
+- Entries that match no module of this model are dropped (HF plans list modules that
+  some configs lack; an fxshard pattern that matches nothing is an error).
+- A tied LM head and input embedding (one tensor) get one layout: the side HF shards
+  decides, the other side gets the matching spec (``lm_head`` colwise, weight
+  ``Shard(0)`` <-> a vocab-parallel embedding).
+- ``sequence_parallel=True`` (Megatron-style, beyond HF's plans): the residual stream
+  is ``Shard(1)``.  The token embedding leaves ``Shard(1)`` (a reduce-scatter when it
+  is vocab-parallel, a local slice when replicated); other embeddings that are direct
+  children of the base model (GPT-2's learned positions ``wpe``, ``[1, S, D]``) are
+  sliced on the sequence the same way, so that the add of tokens and positions sees
+  two ``Shard(1)`` values (no communication); the norms that are direct children of
+  a decoder layer and the base model's norms get :func:`~fxshard.sequence_parallel`
+  (per-head norms inside attention, Qwen3's ``q_norm``, are not on the residual
+  stream and keep their spec); colwise projections in the layers take a ``Shard(1)``
+  input (one all-gather per value: q/k/v share it), rowwise ones reduce-scatter to
+  ``Shard(1)``; the LM head gathers its input, or, with no planned head, the final
+  norm gathers its output.
+- ``loss_parallel=True``: the LM head keeps its logits vocab-sharded (``Shard(-1)``).
+- GPT-2 (``model_type "gpt2"``), for which HF ships no plan, gets fxshard's
+  (:data:`FXSHARD_PLANS`).
+
+transformers is never imported: the model is read by duck typing (``config``,
+``base_model_prefix``, ``tp_plan``/``_tp_plan``, ``get_input_embeddings``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from ..errors import PlanError
+from ..mesh import Mesh, mesh_shape
+from ..plan import ModuleSpec, Plan, _for_module_type, _is_conv1d, _pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+
+# HF's style names, by family (transformers 5.23 registers these in ALL_PARALLEL_STYLES)
+COLWISE = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
+EMBEDDING = ("embedding_rowwise", "embedding_colwise")
+UNSHARDED = ("replicated_with_grad_allreduce", "local_params", "replicate", "mla_kv_a_proj")
+OTHER = ("sequence_parallel", "all_reduce")
+MOE = ("moe_tp_experts", "moe_identity_expert", "packed_rowwise", "grouped_gemm", "ep_dispatch_experts")
+KNOWN_STYLES = COLWISE + ROWWISE + EMBEDDING + OTHER + UNSHARDED + MOE
+
+# fxshard's plans for families HF ships none for: {model_type: (base model plan, head plan)}
+# in HF's vocabulary; ("packed_colwise", n): a weight fused of n equal parts (GPT-2's q | k | v).
+FXSHARD_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "gpt2": (
+        {
+            "wte": "embedding_rowwise",  # as HF does for embed_tokens; the tied lm_head needs it anyway
+            "h.*.attn.c_attn": ("packed_colwise", 3),
+            "h.*.attn.c_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        {"lm_head": "colwise_gather_output"},
+    ),
+}
+
+
+def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> Plan:
+    """The tensor-parallel plan of transformers model ``model`` as an fxshard Plan on
+    ``mesh``, HF's TP mesh played by ``axis`` (module docstring: the mapping).
+
+    Example::
+
+        model = transformers.LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, ...))
+        plan = plan_from_hf(fxshard.MeshSpec(("tp",), (2,)), model)
+        plan.specs["model.layers.*.self_attn.q_proj"]   # ModuleSpec(style='colwise', ...)
+        plan.specs["lm_head"].out_dst                   # {'tp': Replicate()}
+    """
+    axes = mesh_shape(mesh)
+    if axis not in axes:
+        raise PlanError(f"Plan.from_hf: axis {axis!r} is not on the mesh {dict(axes)}; pass axis= the mesh axis for HF's tp")
+    modules = dict(model.named_modules())
+    specs = _convert(hf_tp_plan(model), modules, dict(model.named_parameters(remove_duplicate=False)), axis)
+    specs = _tie_embeddings(specs, model, modules, axis)
+    if sequence_parallel:
+        specs = _sequence_parallel(specs, model, modules, axis)
+    if loss_parallel:
+        specs = _loss_parallel(specs, model, modules, axis)
+    return Plan(mesh, _in_module_order(specs, list(modules)))
+
+
+# ----------------------------------------------------------------------------- HF's plan
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """HF's TP plan for ``model``: ``{absolute FQN pattern: style}``.
+
+    ``model.tp_plan`` when HF resolved it (``post_init``: head plan, base plan under
+    ``base_model_prefix``, default vocab-parallel ``embed_tokens``; a user's override
+    too); else the same merge done here from ``config.base_model_tp_plan`` and
+    ``_tp_plan``; else fxshard's own plan for the family (:data:`FXSHARD_PLANS`).
+
+    Example::
+
+        hf_tp_plan(LlamaForCausalLM(config))["model.layers.*.self_attn.o_proj"]   # 'rowwise'
+    """
+    resolved = getattr(model, "tp_plan", None)
+    if isinstance(resolved, Mapping) and resolved:
+        return dict(resolved)
+    config = getattr(model, "config", None)
+    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    head_plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not base_plan and not head_plan:
+        base_plan, head_plan = _fxshard_plan(model)
+    base, prefix = _base_model(model)
+    if base_plan and "embed_tokens" not in base_plan and isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}  # HF's default (DistributedMixin.init_parallel_plans)
+    return {**head_plan, **{prefix + k: v for k, v in base_plan.items()}}
+
+
+def _fxshard_plan(model) -> tuple[dict, dict]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FXSHARD_PLANS:
+        raise PlanError(
+            f"Plan.from_hf: {type(model).__name__} (model_type {model_type!r}) ships no tensor-parallel plan "
+            f"(config.base_model_tp_plan and _tp_plan are empty) and fxshard has none for it (it has one for "
+            f"{sorted(FXSHARD_PLANS)}); write the plan: fxshard.Plan(mesh, {{'<fqn pattern>': fxshard.colwise(), ...}})")
+    base_plan, head_plan = FXSHARD_PLANS[model_type]
+    return dict(base_plan), dict(head_plan)
+
+
+def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model and the prefix of its FQNs: ``model.model`` and ``"model."`` for
+    LlamaForCausalLM (``base_model_prefix``), ``model`` and ``""`` for LlamaModel."""
+    name = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, name, None) if name else None
+    if isinstance(base, nn.Module) and base is not model:
+        return base, name + "."
+    return model, ""
+
+
+# ----------------------------------------------------------------------------- styles
+
+
+def style_spec(style: str, axis: str = "tp", *, module: nn.Module | None = None, pattern: str = "<pattern>",
+               parts: int = 2) -> ModuleSpec:
+    """The fxshard spec of HF's parallel style ``style`` on one module.
+
+    ``module`` (one module the entry matches) adapts the spec to its type
+    (``nn.Embedding``, transformers' ``Conv1D``), sizes the parts of a packed weight
+    (``parts`` of them; HF packs 2, gate | up) and tells MoE expert weights (3-D) from
+    linears; without it an ``nn.Linear`` is assumed.  MoE styles and unknown styles
+    raise ``PlanError``.  The spec's ``style`` is HF's name.
+
+    Example::
+
+        >>> style_spec("colwise_gather_output").out_dst
+        {'tp': Replicate()}
+    """
+    _check_known(style, pattern)
+    if _is_moe_style(style):
+        raise _moe_error(pattern, style)
+    if module is not None and style in COLWISE + ROWWISE:
+        _check_linear_like(module, style, pattern)
+    spec = _build(style, axis, module, parts, f"HF plan entry {pattern!r} (style {style!r})")
+    if module is not None:
+        spec = _for_module_type(spec, type(module))
+    return replace(spec, style=style)
+
+
+def _build(style: str, axis: str, module, parts: int, where: str) -> ModuleSpec:
+    if style == "colwise":
+        return colwise(axis)
+    if style in ("colwise_gather_output", "colwise_rep"):
+        return colwise(axis, out=Replicate())
+    if style == "rowwise":
+        return rowwise(axis)
+    if style in ("rowwise_split_input", "rowwise_rep"):  # two names for one style in HF
+        return rowwise(axis, inputs=Replicate())
+    if style == "packed_colwise":
+        return colwise(axis, splits=_packed_splits(module, parts, where))
+    if style == "embedding_rowwise":
+        return vocab_parallel(axis)
+    if style == "embedding_colwise":
+        # HF's EmbeddingParallel gathers the output of either sharding (torch's ColwiseParallel keeps Shard(-1))
+        return _for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
+    if style == "sequence_parallel":
+        return seq_norm(axis)
+    if style == "all_reduce":  # HF: the module's output is partial, all-reduce it
+        return ModuleSpec(out_src={axis: Partial()}, out_dst={axis: Replicate()})
+    return ModuleSpec()  # UNSHARDED: the layouts fxshard derives already do what HF's hooks patch in
+
+
+def _packed_splits(module, parts: int, where: str) -> list[int]:
+    """The part sizes of a weight packed along its output features (dim 0 of a Linear,
+    dim 1 of a Conv1D)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.ndim != 2:
+        raise PlanError(f"{where}: packed_colwise needs the module's 2-D weight to size its {parts} parts; "
+                        f"got {type(module).__name__ if module is not None else 'no module'}")
+    width = weight.shape[1] if _is_conv1d(type(module)) else weight.shape[0]  # Conv1D: [in, out]
+    if width % parts:
+        raise PlanError(f"{where}: the packed weight's {width} output features are not {parts} equal parts")
+    return [width // parts] * parts
+
+
+def _check_linear_like(module: nn.Module, style: str, pattern: str) -> None:
+    """colwise/rowwise shard 2-D weights; a module with 3-D weights holds MoE experts."""
+    big = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 3]
+    if big and not isinstance(module, nn.modules.conv._ConvNd):
+        raise _moe_error(pattern, style, f"module {type(module).__name__} has expert weights {big} (3-D)")
+    if big:
+        raise PlanError(f"HF plan entry {pattern!r} (style {style!r}): {type(module).__name__} is a convolution; "
+                        f"{style} shards linear layers. Write an fxshard.ModuleSpec for it by hand")
+
+
+def _check_known(style, pattern: str) -> None:
+    if not isinstance(style, str) or not (style in KNOWN_STYLES or _is_moe_style(style)):
+        raise PlanError(f"HF plan entry {pattern!r}: unknown HF parallel style {style!r}; the known ones are "
+                        f"{list(KNOWN_STYLES)}. Write an fxshard.ModuleSpec for {pattern!r} by hand")
+
+
+def _is_moe_style(style: str) -> bool:
+    return style in MOE or style.startswith(("ep_", "moe_"))
+
+
+def _moe_error(pattern: str, style: str, why: str = "") -> PlanError:
+    return PlanError(
+        f"HF plan entry {pattern!r} (style {style!r}){': ' + why if why else ''}: MoE styles belong to expert "
+        f"parallelism, which Plan.from_hf does not support yet; write the plan by hand with fxshard.expert_parallel "
+        f"for the experts")
+
+
+def param_layout(style: str, param, name: str, pattern: str = "<pattern>") -> Placement:
+    """The placement HF's ``style`` gives a parameter named directly by a plan key
+    (only the style's ``shard_param`` runs there, no forward hook).
+
+    Example: ``param_layout("colwise", sinks, "sinks", "layers.*.self_attn.sinks")`` is
+    ``Shard(0)`` (HF: ``Shard(ndim - 2)``, dim 0 of a 1-D ``[heads]`` vector).
+    """
+    _check_known(style, pattern)
+    if _is_moe_style(style) or param.ndim >= 3:
+        raise _moe_error(pattern, style, f"parameter {name!r} is {param.ndim}-D" if param.ndim >= 3 else "")
+    if style == "packed_colwise":
+        raise PlanError(f"HF plan entry {pattern!r} (style {style!r}) names parameter {name!r}: a packed parameter "
+                        f"on its own has no fxshard equivalent; give its module the entry")
+    if style in COLWISE:
+        return Shard(max(param.ndim - 2, 0))
+    if style in ROWWISE:
+        return Replicate() if name == "bias" else Shard(param.ndim - 1)
+    if style == "embedding_rowwise":
+        return Shard(0)
+    if style == "embedding_colwise":
+        return Shard(1)
+    return Replicate()  # the other styles' shard_param is HF's no-op
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: dict, axis: str) -> dict[str, ModuleSpec]:
+    """One spec per HF entry that matches modules of this model; entries naming
+    parameters go into their module's ``params``; entries matching nothing are dropped."""
+    specs: dict[str, ModuleSpec] = {}
+    param_entries: dict[str, dict[str, tuple[str, Placement]]] = {}
+    for pattern, entry in entries.items():
+        style, parts = (entry, 2) if isinstance(entry, str) else entry
+        _check_known(style, pattern)  # also for entries this model has no module for: a typo is an error
+        rx = _pattern_regex(pattern)
+        hits = [m for fqn, m in modules.items() if rx.match(fqn)]
+        if hits:
+            specs[pattern] = _one_spec(pattern, [style_spec(style, axis, module=m, pattern=pattern, parts=parts) for m in hits])
+            continue
+        owned = [(fqn, p) for fqn, p in params.items() if rx.match(fqn)]
+        if owned:
+            owner, _, name = pattern.rpartition(".")
+            layouts = {repr(lay): lay for lay in (param_layout(style, p, name, pattern) for _, p in owned)}
+            if len(layouts) > 1:
+                raise PlanError(f"HF plan entry {pattern!r} (style {style!r}) gives its parameters different layouts "
+                                f"{list(layouts)}; split the entry per layer")
+            param_entries.setdefault(owner, {})[name] = (style, next(iter(layouts.values())))
+        # else: this model lacks the module (HF plans name modules that some configs do not build)
+    for owner, named in param_entries.items():
+        layouts = {name: {axis: p} for name, (_, p) in named.items() if p != Replicate()}
+        spec = specs.get(owner) or ModuleSpec(style=next(iter(named.values()))[0])
+        specs[owner] = replace(spec, params={**spec.params, **layouts})
+    return specs
+
+
+def _one_spec(pattern: str, built: list[ModuleSpec]) -> ModuleSpec:
+    """An fxshard pattern has one spec: every module an HF entry matches must get the same."""
+    distinct = {repr(s): s for s in built}
+    if len(distinct) > 1:
+        raise PlanError(f"HF plan entry {pattern!r} matches modules that need different specs ({list(distinct)}); "
+                        f"give them separate entries")
+    return built[0]
+
+
+def _in_module_order(specs: dict[str, ModuleSpec], fqns: list[str]) -> dict[str, ModuleSpec]:
+    """Entries in the order of the model's modules (embedding, layers, head), so the plan reads top-down."""
+    def first(pattern: str) -> int:
+        rx = _pattern_regex(pattern)
+        return next((i for i, f in enumerate(fqns) if rx.match(f)), len(fqns))
+
+    return dict(sorted(specs.items(), key=lambda kv: first(kv[0])))
+
+
+def _fqn(modules: dict[str, nn.Module], module) -> str | None:
+    return next((f for f, m in modules.items() if m is module), None)
+
+
+def _spec_of(specs: dict[str, ModuleSpec], fqn: str) -> tuple[str, ModuleSpec | None]:
+    """The plan key that matches module ``fqn`` (``fqn`` itself when none does) and its spec."""
+    for pattern, spec in specs.items():
+        if _pattern_regex(pattern).match(fqn):
+            return pattern, spec
+    return fqn, None
+
+
+def _family(spec: ModuleSpec | None) -> str | None:
+    """``"colwise"`` / ``"rowwise"`` for HF's linear styles (also when marked ``(tied ...)``)."""
+    style = (spec.style or "").split(" ")[0] if spec is not None else ""
+    return "colwise" if style in COLWISE else "rowwise" if style in ROWWISE else None
+
+
+def _embeddings(model) -> tuple[nn.Module | None, nn.Module | None]:
+    """The input embedding and the output embedding (LM head) of an HF model, or None."""
+    def get(name):
+        try:
+            return getattr(model, name)()
+        except (AttributeError, NotImplementedError):
+            return None
+
+    return get("get_input_embeddings"), get("get_output_embeddings")
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+
+
+def _tie_embeddings(specs: dict[str, ModuleSpec], model, modules, axis: str) -> dict[str, ModuleSpec]:
+    """A head tied to the input embedding (one ``[vocab, dim]`` tensor) gets one layout:
+    the side the plan shards decides, the other side gets the spec that shards the same
+    dim (``Shard(0)``: vocab-parallel embedding <-> colwise head; ``Shard(1)``: colwise
+    embedding <-> rowwise head)."""
+    emb, head = _embeddings(model)
+    if emb is None or head is None or getattr(emb, "weight", None) is None or getattr(head, "weight", None) is not emb.weight:
+        return specs
+    emb_fqn, head_fqn = _fqn(modules, emb), _fqn(modules, head)
+    (emb_key, emb_spec), (head_key, head_spec) = _spec_of(specs, emb_fqn), _spec_of(specs, head_fqn)
+    emb_w, head_w = _weight_placement(emb_spec, axis), _weight_placement(head_spec, axis)
+    if emb_w == head_w:
+        return specs
+    specs = dict(specs)
+    if emb_w == Replicate():
+        fix = vocab_parallel(axis) if head_w == Shard(0) else _for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
+        name = "embedding_rowwise" if head_w == Shard(0) else "embedding_colwise"
+        specs[emb_key] = replace(fix, style=f"{name} (tied to {head_fqn})")
+    elif head_w == Replicate():
+        fix = colwise(axis, out=Replicate()) if emb_w == Shard(0) else rowwise(axis, inputs=Replicate())
+        name = "colwise_gather_output" if emb_w == Shard(0) else "rowwise_split_input"
+        specs[head_key] = replace(fix, style=f"{name} (tied to {emb_fqn})")
+    else:
+        raise PlanError(f"Plan.from_hf: {head_fqn!r} is tied to {emb_fqn!r} (one weight), but HF's plan gives it {head_w} "
+                        f"in {head_fqn!r} ({head_spec.style}) and {emb_w} in {emb_fqn!r} ({emb_spec.style}); give both "
+                        f"the same layout: a colwise head with a vocab-parallel embedding (embedding_rowwise)")
+    return specs
+
+
+def _weight_placement(spec: ModuleSpec | None, axis: str) -> Placement:
+    layout = (spec.params.get("weight") if spec is not None else None) or {}
+    return layout.get(axis, Replicate()) if isinstance(layout, Mapping) else layout
+
+
+# ----------------------------------------------------------------------------- sequence / loss parallel
+
+
+def _sequence_parallel(specs: dict[str, ModuleSpec], model, modules, axis: str) -> dict[str, ModuleSpec]:
+    """Megatron sequence parallelism on top of HF's plan: the residual stream is ``Shard(1)``."""
+    seq = {axis: Shard(1)}
+    base, prefix = _base_model(model)
+    lists = [(prefix + n, m) for n, m in base.named_children() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise PlanError(f"Plan.from_hf(sequence_parallel=True): {type(base).__name__} has no list of decoder layers "
+                        f"(an nn.ModuleList child); sequence parallelism needs the layers' norms and projections")
+    specs = dict(specs)
+    inside = tuple(f"{fqn}." for fqn, _ in lists)
+    for pattern, spec in specs.items():  # projections in the layers
+        if pattern.startswith(inside) and _family(spec) == "colwise":
+            specs[pattern] = replace(spec, in_src=seq)  # all-gathered on entry (once per value)
+        elif pattern.startswith(inside) and _family(spec) == "rowwise":
+            specs[pattern] = replace(spec, out_dst=seq)  # reduce-scatter instead of all-reduce
+    for fqn, layers in lists:
+        _add(specs, _residual_norms(fqn, layers), seq_norm(axis))
+
+    emb, head = _embeddings(model)
+    head_key, head_spec = _spec_of(specs, _fqn(modules, head)) if head is not None else (None, None)
+    if head_spec is not None and _family(head_spec) != "colwise":
+        raise PlanError(f"Plan.from_hf(sequence_parallel=True): the LM head {head_key!r} is {head_spec.style}; "
+                        f"sequence parallelism expects a colwise head that gathers the sequence on entry")
+    if head_spec is not None:
+        specs[head_key] = replace(head_spec, in_src=seq)
+    children = list(base.named_children())
+    first_layers = next(i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList))
+    for i, (name, child) in enumerate(children):
+        if _is_norm(child):  # embedding norms before the layers, the final norm after them
+            final = i > first_layers and head_spec is None  # no planned head: gather the sequence here
+            _add(specs, [prefix + name], replace(seq_norm(axis), out_dst={axis: Replicate()}) if final else seq_norm(axis))
+    # token embedding and the embeddings added to it (learned positions): leave Shard(1)
+    embeddings = [prefix + n for n, m in children if isinstance(m, nn.Embedding)]
+    if emb is not None and _fqn(modules, emb) not in embeddings:
+        embeddings.append(_fqn(modules, emb))
+    for fqn in embeddings:
+        key, spec = _spec_of(specs, fqn)
+        specs[key] = replace(spec, out_dst=seq) if spec is not None else ModuleSpec(out_dst=seq, style="sequence_shard")
+    return specs
+
+
+def _residual_norms(list_fqn: str, layers: nn.ModuleList) -> list[str]:
+    """Patterns of the norms that are direct children of the decoder layers:
+    ``model.layers.*.input_layernorm``, or one FQN per layer where a name is a norm in
+    some layers only."""
+    kinds: dict[str, list[tuple[str, bool]]] = {}
+    for idx, layer in layers.named_children():
+        for name, child in layer.named_children():
+            kinds.setdefault(name, []).append((idx, _is_norm(child)))
+    out = []
+    for name, flags in kinds.items():
+        if all(is_norm for _, is_norm in flags):
+            out.append(f"{list_fqn}.*.{name}")
+        else:
+            out += [f"{list_fqn}.{idx}.{name}" for idx, is_norm in flags if is_norm]
+    return out
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """RMSNorm / LayerNorm classes of every family (LlamaRMSNorm, nn.LayerNorm ...)."""
+    return type(module).__name__.endswith("Norm")
+
+
+def _add(specs: dict[str, ModuleSpec], patterns: list[str], spec: ModuleSpec) -> None:
+    for pattern in patterns:
+        old = specs.get(pattern)
+        if old is not None and old.style != "sequence_parallel":
+            raise PlanError(f"Plan.from_hf(sequence_parallel=True): norm {pattern!r} already has {old!r} in HF's plan; "
+                            f"sequence parallelism runs it on sequence shards")
+        specs[pattern] = spec
+
+
+def _loss_parallel(specs: dict[str, ModuleSpec], model, modules, axis: str) -> dict[str, ModuleSpec]:
+    """Vocab-sharded logits: the colwise LM head keeps its output ``Shard(-1)``."""
+    _, head = _embeddings(model)
+    key, spec = _spec_of(specs, _fqn(modules, head)) if head is not None else (None, None)
+    if _family(spec) != "colwise":
+        what = "has no LM head (get_output_embeddings() is None)" if head is None else (
+            f"has LM head {key!r} " + ("outside the plan" if spec is None else f"with style {spec.style!r}"))
+        raise PlanError(f"Plan.from_hf(loss_parallel=True): {type(model).__name__} {what}; loss parallelism needs a "
+                        f"colwise LM head whose vocab-sharded logits feed the cross-entropy")
+    return {**specs, key: replace(spec, out_dst={axis: Shard(-1)}, style="colwise (loss parallel)")}

@@ -1,4 +1,4 @@
-"""Step time: one training step of Llama, fxshard vs DTensor vs hand-written Megatron.
+"""Step time: one training step of Llama, fxshard vs DTensor vs hand-written Megatron (or HF's TP).
 
 A step is forward, cross-entropy, backward and SGD, on real ranks (``--tp`` gloo
 processes, one CPU thread each; under ``torchrun --device cuda``, NCCL).  The three
@@ -14,7 +14,19 @@ Each runs eagerly and under ``torch.compile`` (``aot_eager``, ``inductor``); the
 contenders alternate step by step, medians are reported with the ratio to
 ``megatron``, and the losses of all contenders must agree at every step.
 
+With ``--model hf-llama`` the model is transformers' ``LlamaForCausalLM`` (random
+weights, no KV cache; the loss is HF's, from ``labels``) and the contenders are
+
+* ``hf_tp``: HF's own tensor parallelism, ``from_pretrained(dir, tp_plan="auto")`` of the
+  model saved by rank 0 (the reference);
+* ``fxshard``: ``fxshard.transform(model, Plan.from_hf(mesh, model), example_kwargs=batch)``;
+* ``dtensor``: ``parallelize_module`` with the same plan (``bench.torch_hf_llama_plan``);
+* ``single``: the whole model on every rank, no communication (one device's step time);
+
+results in ``results/step_time_hf_llama.json``.
+
     python benchmarks/step_time.py                     # small + large, tp=2, all modes
+    python benchmarks/step_time.py --model hf-llama    # the same for HF Llama
     python benchmarks/step_time.py --tp 4 --modes eager
     python benchmarks/step_time.py --profile           # + torch.profiler tables per contender
     torchrun --nproc-per-node 1 benchmarks/step_time.py --device cuda --sizes gpu
@@ -22,7 +34,9 @@ contenders alternate step by step, medians are reported with the ratio to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,36 +48,43 @@ from fxshard import bench  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama", choices=list(bench.SUITES),
+                   help="llama: fxshard.models.Llama vs hand-written Megatron and DTensor; hf-llama: transformers' "
+                        "LlamaForCausalLM vs HF's tp_plan='auto', DTensor and one device")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to spawn on CPU (torchrun: the world size)")
-    p.add_argument("--sizes", default="small,large", help=f"comma-separated, from {list(bench.SIZES)}")
+    p.add_argument("--sizes", default="small,large",
+                   help=f"comma-separated, from {list(bench.SIZES)} (hf-llama: {list(bench.HF_SIZES)})")
     p.add_argument("--modes", default="eager,aot_eager,inductor", help=f"comma-separated, from {list(bench.MODES)}")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per contender (default: small 60, large 15)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed steps per contender (default: small 60, large 15; hf-llama: small 40, large 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender (the first compiles)")
     p.add_argument("--batch", type=int, default=None, help="override the batch size of every size")
     p.add_argument("--seqlen", type=int, default=None, help="override the sequence length of every size")
     p.add_argument("--n-layers", type=int, default=None, help="override the layer count of every size")
     p.add_argument("--device", default="cpu", help="cpu (spawned gloo ranks) or cuda (under torchrun)")
     p.add_argument("--profile", action="store_true", help="write torch.profiler tables (5 steps per contender)")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/step_time.json)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default benchmarks/results/step_time.json, hf-llama: step_time_hf_llama.json)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
-def plot(rows, path_name="step_time"):
+def plot(rows, path_name="step_time", suite=bench.SUITES["llama"]):
     plt = pyplot()
     if plt is None:
         return None
     blocks = list(dict.fromkeys((r["size"], r["mode"]) for r in rows))
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(blocks), 3.2))
-    width = 0.8 / len(bench.CONTENDERS)
-    for i, name in enumerate(bench.CONTENDERS):
-        ys = [next((r.get("ratio_vs_megatron", 0) for r in rows if (r["size"], r["mode"]) == b and r["contender"] == name), 0)
+    names, key = suite.contenders, f"ratio_vs_{suite.reference}"
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ys = [next((r.get(key, 0) for r in rows if (r["size"], r["mode"]) == b and r["contender"] == name), 0)
               for b in blocks]
-        ax.bar([j + (i - 1) * width for j in range(len(blocks))], ys, width, label=name)
+        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(blocks))], ys, width, label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(blocks)), [f"{s}\n{m}" for s, m in blocks])
-    ax.set_ylabel("median step time / megatron")
+    ax.set_ylabel(f"median step time / {suite.reference}")
     ax.set_title("training step, lower is better")
     ax.legend(fontsize=8)
     path = save_plot(fig, path_name)
@@ -71,58 +92,73 @@ def plot(rows, path_name="step_time"):
     return path
 
 
-def print_profiles(rows, profile_dir) -> None:
+def print_profiles(rows, profile_dir, suite=bench.SUITES["llama"]) -> None:
     """Self CPU time per step outside / inside collectives per contender, and the top of
     fxshard's profile wherever it is >10% slower than the hand-written reference."""
-    print(f"\nprofiles (rank 0): {profile_dir}/step_time_profile_<size>_<mode>_<contender>.txt")
+    print(f"\nprofiles (rank 0): {profile_dir}/{suite.file_prefix}_profile_<size>_<mode>_<contender>.txt")
     prof = [r for r in rows if "profile_cpu_ms" in r]
     print(table(prof, [("size", "size", ""), ("mode", "mode", ""), ("contender", "contender", ""),
                        ("profile_cpu_ms", "self CPU ms/step outside collectives", ".2f"),
                        ("profile_comm_ms", "in collectives", ".2f"), ("profile_steps", "steps", "d"),
                        ("median_ms", "median step ms", ".2f")]))
+    key = f"ratio_vs_{suite.reference}"
     for r in rows:
-        if r["contender"] == "fxshard" and r.get("ratio_vs_megatron", 0) > 1.10:
-            f = Path(profile_dir) / f"step_time_profile_{r['size']}_{r['mode']}_fxshard.txt"
+        if r["contender"] == "fxshard" and r.get(key, 0) > 1.10:
+            f = Path(profile_dir) / f"{suite.file_prefix}_profile_{r['size']}_{r['mode']}_fxshard.txt"
             if f.exists():
-                print(f"\nfxshard is {r['ratio_vs_megatron']:.2f}x the reference at {r['size']}/{r['mode']}; its profile:")
+                print(f"\nfxshard is {r[key]:.2f}x the reference at {r['size']}/{r['mode']}; its profile:")
                 print("\n".join(f.read_text().splitlines()[:24]))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sizes = bench.sizes_by_name([s for s in args.sizes.split(",") if s], batch=args.batch, seqlen=args.seqlen,
-                                n_layers=args.n_layers)
+    suite = bench.SUITES[args.model]
+    sizes = bench.sizes_by_name([s for s in args.sizes.split(",") if s], model=args.model, batch=args.batch,
+                                seqlen=args.seqlen, n_layers=args.n_layers)
     modes = [m for m in args.modes.split(",") if m]
     profile_dir = str(RESULTS) if args.profile else None
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    t0 = time.monotonic()
     if profile_dir:
         RESULTS.mkdir(parents=True, exist_ok=True)
     rows = bench.run_step_time(sizes, tp=args.tp, modes=modes, warmup=args.warmup, iters=args.iters,
-                               device=args.device, profile_dir=profile_dir, show_progress=not args.quiet)
+                               device=args.device, profile_dir=profile_dir, show_progress=not args.quiet,
+                               model=args.model)
     if not rows:  # a torchrun rank other than 0
         return 0
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    wall_s = time.monotonic() - t0
     tp = rows[0].get("tp", args.tp)
-    print(f"step time: Llama training step (forward, cross-entropy, backward, SGD), tp={tp}, {args.device}; "
+    print(f"step time: {suite.title}")
+    print(f"training step (forward, cross-entropy, backward, SGD), tp={tp}, {args.device}; "
           f"median over the timed steps after {args.warmup} warm-up; max over ranks")
-    print(f"machine: {describe_machine()}")
+    print(f"machine: {describe_machine()}; load average before {_fmt_load(load_before)}, after {_fmt_load(load_after)}; "
+          f"{wall_s:.0f} s")
     for s in sizes:
         print(f"  {s.name}: {s.describe()}; {args.iters or s.iters} timed steps")
     print()
     print(bench.format_table(rows))
     sized = [bench.as_dict(replace(s, iters=args.iters or s.iters)) for s in sizes]
-    config = dict(tp=tp, device=args.device, warmup=args.warmup, modes=modes, sizes=sized)
-    path = write_json("step_time", config, {"rows": rows, "ratios": bench.summary_ratios(rows)}, args.out)
+    config = dict(model=args.model, tp=tp, device=args.device, warmup=args.warmup, modes=modes, sizes=sized,
+                  load_avg_before=load_before, load_avg_after=load_after, wall_s=round(wall_s, 1))
+    results = {"rows": rows, "ratios": bench.summary_ratios(rows), "first_loss": bench.first_loss_spread(rows)}
+    path = write_json(suite.file_prefix, config, results, args.out)
     print(f"\nresults: {path}")
     if not args.no_plot:
-        png = plot(rows)
+        png = plot(rows, suite.file_prefix, suite)
         if png:
             print(f"plot: {png}")
     if profile_dir:
-        print_profiles(rows, profile_dir)
+        print_profiles(rows, profile_dir, suite)
     bad = [r for r in rows if "max_loss_diff" in r and not r["max_loss_diff"] <= 1e-4]
     if bad:
         print(f"\nERROR: losses of {[(r['size'], r['mode'], r['contender']) for r in bad]} differ from the reference")
         return 1
     return 0
+
+
+def _fmt_load(load) -> str:
+    return "n/a" if load is None else "/".join(f"{x:.2f}" for x in load)
 
 
 if __name__ == "__main__":

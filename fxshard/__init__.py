@@ -13,7 +13,7 @@ Example::
     sharded = fxshard.transform(model, plan, example_inputs=(tokens,))
     print(fxshard.dump(sharded))
 """
-from .errors import PlacementMismatchError, PlanError
+from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
 from .mesh import MeshSpec
 from .plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel, vocab_parallel
 from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, reduce_scatter, shard
@@ -22,7 +22,7 @@ from .transform import transform
 from .dump import dump
 from .comm import comm_summary
 from .explain import explain
-from .export import render, to_dot, to_json, to_networkx
+from .dump_formats import render, to_dot, to_json, to_networkx
 from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
 from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .state import full_state_dict, load_full_state_dict
@@ -30,7 +30,7 @@ from .state import full_state_dict, load_full_state_dict
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
     "trace", "transform", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
-    "PlanError", "PlacementMismatchError",
+    "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",

@@ -20,7 +20,7 @@ literal arguments (each value is read with ``ast.literal_eval``).
   it, a model with ``.args.vocab_size`` gets ``tokens(2, 8, vocab_size)``.
 
 Formats: ``text`` (:func:`fxshard.dump` and :func:`fxshard.comm_summary`), ``json``,
-``dot`` (:mod:`fxshard.export`), ``svg`` (needs Graphviz and ``-o``).  ``--diff``
+``dot`` (:mod:`fxshard.dump_formats`), ``svg`` (needs Graphviz and ``-o``).  ``--diff``
 prints a unified diff of the traced code and the transformed code instead.  A plan
 that does not fit prints the :class:`fxshard.PlanError` to stderr and exits 1; bad
 command-line arguments exit 2.
@@ -205,7 +205,7 @@ def render_dump(gm, fmt: str, region: str | None, output: str | None) -> str | N
     """The text to print for ``fmt`` (None when ``svg`` was written to ``output``)."""
     from .comm import comm_summary
     from .dump import dump
-    from .export import render, to_dot, to_json
+    from .dump_formats import render, to_dot, to_json
 
     if fmt == "text":
         return dump(gm, region=region) + "\n\n" + str(comm_summary(gm, region)) + "\n"

@@ -14,6 +14,11 @@ class PlanError(ValueError):
     """A sharding plan that does not fit the model or the mesh."""
 
 
+class SignatureMismatchError(PlanError, TypeError):
+    """A user-supplied function (a local region's ``compute=``) whose signature does not
+    match the module's forward: a plan error, and a ``TypeError`` as a bad call is."""
+
+
 class PlacementMismatchError(PlanError):
     """A layout declared in the plan (``out_src`` / preset ``inputs``) differs from the
     layout that propagation derived for that value."""

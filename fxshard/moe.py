@@ -65,7 +65,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Placement, Shard
 
 from . import runtime
-from .errors import PlanError
+from .errors import PlanError, SignatureMismatchError
 from .plan import ModuleSpec
 
 __all__ = [
@@ -276,7 +276,7 @@ def routed_forward(spec: ExpertParallelSpec, n_experts: int) -> Callable:
 
 def check_compute_signature(module: nn.Module, fn: Callable, fqn: str = "") -> None:
     """Check a region's compute function ``fn(module, *forward_args)`` against the
-    module's forward; ``TypeError`` naming the parameter on the first violation.
+    module's forward; ``SignatureMismatchError`` (a PlanError and a TypeError) naming the parameter on the first violation.
 
     Rules: no ``*args``/``**kwargs``; every parameter after the module is a parameter
     of the forward; the positional ones are an in-order subsequence of the forward's
@@ -293,15 +293,15 @@ def check_compute_signature(module: nn.Module, fn: Callable, fqn: str = "") -> N
     fwd_name = f"{type(module).__name__}.forward{inspect.signature(module.forward)}"
     params = list(inspect.signature(fn).parameters.values())
     if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-        raise TypeError(f"{where}: its first parameter must be the module (fn(module, *forward_args))")
+        raise SignatureMismatchError(f"{where}: its first parameter must be the module (fn(module, *forward_args))")
     own = params[1:]
     for p in own:
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             star = "*" if p.kind is inspect.Parameter.VAR_POSITIONAL else "**"
-            raise TypeError(f"{where}: parameter '{star}{p.name}' is not allowed; name the forward parameters it takes, as in {fwd_name}")
+            raise SignatureMismatchError(f"{where}: parameter '{star}{p.name}' is not allowed; name the forward parameters it takes, as in {fwd_name}")
     for p in own:
         if p.name not in fwd:
-            raise TypeError(f"{where}: parameter {p.name!r} is not a parameter of {fwd_name}")
+            raise SignatureMismatchError(f"{where}: parameter {p.name!r} is not a parameter of {fwd_name}")
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     fwd_order = [n for n, q in fwd.items() if q.kind in positional]
     last = -1
@@ -309,17 +309,17 @@ def check_compute_signature(module: nn.Module, fn: Callable, fqn: str = "") -> N
         if p.kind not in positional:
             continue
         if p.name not in fwd_order:
-            raise TypeError(f"{where}: positional parameter {p.name!r} is keyword-only in {fwd_name}; make it keyword-only (after *)")
+            raise SignatureMismatchError(f"{where}: positional parameter {p.name!r} is keyword-only in {fwd_name}; make it keyword-only (after *)")
         idx = fwd_order.index(p.name)
         if idx < last:
-            raise TypeError(f"{where}: positional parameter {p.name!r} comes after {fwd_order[last]!r}, but {fwd_name} "
+            raise SignatureMismatchError(f"{where}: positional parameter {p.name!r} comes after {fwd_order[last]!r}, but {fwd_name} "
                             f"takes it before; keep the forward's order")
         last = idx
     names = {p.name for p in own}
     for name, q in fwd.items():
         required = q.default is inspect.Parameter.empty and q.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
         if required and name not in names:
-            raise TypeError(f"{where}: it does not accept {name!r}, a required parameter of {fwd_name}")
+            raise SignatureMismatchError(f"{where}: it does not accept {name!r}, a required parameter of {fwd_name}")
 
 
 # --------------------------------------------------------------------------- runtime: dispatch / combine

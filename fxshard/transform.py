@@ -124,7 +124,7 @@ def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shap
         # capture reads the model and never writes it; the copy is of the captured graph
         captured = trace(obj, plan, example_inputs or (), example_kwargs, capture=capture, dynamic_shapes=dynamic_shapes)
         return _copy_graph_module(captured)
-    raise TypeError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
+    raise PlanError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
 
 
 _NON_TENSOR_ATTRS = frozenset({"device", "dtype", "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized"})

@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import runtime
-from fxshard.errors import PlanError
+from fxshard.errors import PlanError, SignatureMismatchError
 from fxshard.layout import local_shape
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
 from fxshard.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
@@ -122,7 +122,7 @@ def _rebind_call(node: fx.Node, module: nn.Module, fn, fqn: str) -> None:
     accepted = {p.name for p in params}
     for name in bound.arguments:
         if name not in accepted:
-            raise TypeError(f"compute function {getattr(fn, '__qualname__', fn)!r} of local region {fqn!r}: the model "
+            raise SignatureMismatchError(f"compute function {getattr(fn, '__qualname__', fn)!r} of local region {fqn!r}: the model "
                             f"passes {name!r} to the region (node `{node.name}`), which the function does not accept")
     args, kwargs = [], {}
     for p in params:

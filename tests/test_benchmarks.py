@@ -55,6 +55,24 @@ def test_step_time(results):
     assert abs(ratios["fxshard_vs_dtensor"] - rows[1]["median_ms"] / rows[2]["median_ms"]) < 1e-9
 
 
+
+def test_step_time_hf_llama(results):
+    pytest.importorskip("transformers")
+    out = results / "step_time_hf_llama.json"
+    text = _run([str(BENCH / "step_time.py"), "--model", "hf-llama", "--sizes", "small", "--modes", "eager", "--iters", "2",
+                 "--warmup", "1", "--n-layers", "1", "--quiet", "--no-plot", "--out", str(out)])
+    assert "fxshard/hf_tp =" in text and "fxshard/single =" in text
+    payload = json.loads(out.read_text())
+    rows = payload["results"]["rows"]
+    assert [r["contender"] for r in rows] == ["hf_tp", "fxshard", "dtensor", "single"]
+    for r in rows:
+        assert r["steps"] == 3 and r["median_ms"] > 0 and r["max_loss_diff"] < 1e-4
+        assert r["loss_last"] < r["loss_first"]
+    params = {r["contender"]: r["params_per_rank"] for r in rows}
+    # the three TP contenders shard the same parameters; one device holds all of them
+    assert params["hf_tp"] == params["fxshard"] == params["dtensor"] < params["single"]
+    assert payload["results"]["first_loss"][0]["max_diff"] < 1e-4 and rows[0]["ratio_vs_hf_tp"] == 1.0
+
 def test_communication(results):
     out = results / "communication.json"
     text = _run([str(BENCH / "communication.py"), "--tp", "2", "--cases",

@@ -17,7 +17,7 @@ import pytest
 import fxshard
 from fxshard import MeshSpec, Plan, cli
 from fxshard.comm import comm_summary
-from fxshard.export import to_json
+from fxshard.dump_formats import to_json
 from fxshard.models import llama, llama_plan, tokens
 
 LLAMA = "fxshard.models:llama(n_heads=8,n_kv_heads=4)"

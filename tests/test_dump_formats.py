@@ -1,7 +1,7 @@
-"""fxshard.export: JSON / DOT goldens of a small transformed MLP, networkx round trip, render.
+"""fxshard.dump_formats: JSON / DOT goldens of a small transformed MLP, networkx round trip, render.
 
 Goldens are ``expecttest`` inline strings: after an intended change of placements or
-format, regenerate them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_export.py``
+format, regenerate them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_dump_formats.py``
 and review the diff.  Source lines are written relative to ``MLP.forward`` so that
 edits elsewhere in models.py do not touch the goldens.
 """
@@ -19,7 +19,7 @@ import torch
 
 import fxshard
 from fxshard import MeshSpec, Plan, colwise, rowwise
-from fxshard.export import render, to_dot, to_json, to_networkx
+from fxshard.dump_formats import render, to_dot, to_json, to_networkx
 from fxshard.layout import fmt_placement
 from fxshard.meta import KEY, TensorInfo
 from fxshard.models import MLP, llama, llama_plan, mlp, tokens

@@ -169,17 +169,18 @@ def _raw_all_reduce(x: torch.Tensor, ax: _Axis, op: str = "sum") -> torch.Tensor
 
 
 def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (``dim`` normalized)."""
-    y = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
-    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(y, ax.size, ax.group_name))
-    return y.movedim(0, dim).contiguous() if dim != 0 else y
+    """Concatenate every rank's ``x`` along ``dim`` (``dim`` normalized).  The collective
+    stacks the ranks' tensors on dim 0; they are concatenated along ``dim`` with one
+    ``cat`` (not two transposing copies of the whole tensor: 10x slower on logits)."""
+    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), ax.size, ax.group_name))
+    return torch.cat(y.chunk(ax.size, 0), dim) if dim != 0 else y
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim`` (``dim`` normalized)."""
-    y = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
-    y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(y, "sum", ax.size, ax.group_name))
-    return y.movedim(0, dim).contiguous() if dim != 0 else y
+    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim`` (``dim`` normalized).
+    The collective scatters dim-0 chunks: the ``dim`` chunks are laid out on dim 0 first."""
+    y = torch.cat(x.chunk(ax.size, dim), 0) if dim != 0 else x.contiguous()
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(y, "sum", ax.size, ax.group_name))
 
 
 def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:

@@ -43,10 +43,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.bench import localize_llama_heads, torch_llama_plan  # noqa: E402
+from fxshard.testing.bench import localize_llama_heads, torch_llama_plan  # noqa: E402
 from fxshard.launch import spawn  # noqa: E402
 from fxshard.comm import comm_summary  # noqa: E402
-from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
+from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
@@ -164,7 +164,7 @@ CASES = {
     # expert parallel: the routing decides the all-to-all sizes; this case runs on real gloo
     # ranks (--tp of them, on the "ep" axis), as the MoE tests do
     "moe_expert_parallel": Case("moe_expert_parallel", "moe", False, False,
-                                "Mixtral-style MoE (fxshard.moe_models.mixtral, 2 experts per rank, top-2), "
+                                "Mixtral-style MoE (fxshard.testing.moe_models.mixtral, 2 experts per rank, top-2), "
                                 "expert parallel, batch sharded over ep (real gloo ranks)",
                                 dtensor_note="no parallelize_module style for expert parallelism", axis="ep"),
 }
@@ -191,7 +191,7 @@ def _gpt2(s: Shapes):
 
 
 def _moe(s: Shapes, n: int):
-    from fxshard.moe_models import mixtral
+    from fxshard.testing.moe_models import mixtral
 
     return mixtral(seed=0, dim=s.dim, n_layers=s.n_layers, vocab_size=s.vocab, n_experts=2 * n, top_k=2,
                    ffn_hidden=2 * s.dim, max_seq_len=max(32, s.seqlen))
@@ -203,7 +203,7 @@ def _fx_plan(case: Case) -> dict:
     elif case.family == "gpt2":
         plan = gpt2_plan("tp", sequence_parallel=case.sequence_parallel, loss_parallel=case.loss_parallel)
     else:
-        from fxshard.moe_models import mixtral_plan
+        from fxshard.testing.moe_models import mixtral_plan
 
         plan = mixtral_plan("ep")
     return {"model." + k: v for k, v in plan.items()}

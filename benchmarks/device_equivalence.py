@@ -21,7 +21,7 @@ from common import describe_machine, plain, rank_value, simulated, table, write_
 import torch  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
+from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
 
 CASES = {
     "llama_dense": (lambda: llama(seed=0, n_heads=8, n_kv_heads=4), lambda: llama_plan("tp")),

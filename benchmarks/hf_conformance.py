@@ -93,6 +93,43 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+class _GlobalOnlyTracker:
+    """Stands in for CommDebugMode's module tracker: every collective is attributed to
+    "Global".  torch's ``_CommModeModuleTracker`` breaks on a module called twice in one
+    forward (Phi's ``resid_dropout``, Gemma-3's norms ...): its pre-hook registers one more
+    per-module forward hook per call, keyed by name, so the second call pops its parent list
+    twice and the next module's hook raises ``IndexError: list index out of range``.  The
+    counts (``get_comm_counts``, ``get_total_counts``) do not need the module tree."""
+
+    name = "Global"
+    activation_checkpointing = False
+
+    def __init__(self):
+        self.module_parents_dict = {"Global": set()}
+        self.module_helper_dict = {"Global": {"depth": 0}}
+        self.parent_dict, self.module_parameters_dict, self.sharding_dict = {}, {}, {}
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def comm_debug_mode():
+    """``torch.distributed.tensor.debug.CommDebugMode`` counting every collective (functional,
+    c10d, DTensor's redistributes) without its per-module tracking (see :class:`_GlobalOnlyTracker`)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    mode.advanced_module_tracker = _GlobalOnlyTracker()
+    return mode
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -109,12 +146,8 @@ def tb_tail(e: BaseException, n: int = 12) -> str:
 
 
 def is_moe(model) -> bool:
-    """Expert weights (a 3-D parameter under an ``experts`` module) or an MoE style in HF's plan."""
-    from fxshard.frontend.hf_plan import _is_moe_style, hf_tp_plan
-
-    with contextlib.suppress(Exception):
-        if any(isinstance(s, str) and _is_moe_style(s) for s in hf_tp_plan(model).values()):
-            return True
+    """The model has experts: an ``experts`` module or a 3-D expert weight.  (HF's plan alone
+    does not say: Gemma-4's lists MoE entries that a dense config builds no module for.)"""
     return any(n.rsplit(".", 1)[-1] == "experts" for n, _ in model.named_modules()) or any(
         p.ndim >= 3 and "expert" in n for n, p in model.named_parameters())
 
@@ -142,8 +175,6 @@ def reference(model, ids, labels, lr: float) -> dict:
 
 def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float, row: dict, findings: list) -> None:
     """Plan, transform, one training step on the simulated ranks; fills ``row``."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     from equivalence import output_layout
 
     family = row["family"]
@@ -189,7 +220,7 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
 
         kw = {k: v if not in_layouts[k] else rank_map(lambda r, v=v, k=k: slice_for(v, in_layouts[k], coords_of(r, mesh_shape), mesh_shape))
               for k, v in (("input_ids", ids), ("labels", labels))}
-        with CommDebugMode() as cm:
+        with comm_debug_mode() as cm:
             out = sharded(**kw)
             fwd_measured = cm.get_total_counts()
             out.loss.backward()
@@ -282,7 +313,6 @@ def _maxdiff(a, b) -> float:
 def run_hf(model, mesh, ids, labels, ref: dict, tp: int, row: dict) -> None:
     """HF's tensor parallelism on a copy of ``model`` under the simulated mesh: collectives
     of forward + backward (CommDebugMode), and its logits against one device's."""
-    from torch.distributed.tensor.debug import CommDebugMode
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -305,7 +335,7 @@ def run_hf(model, mesh, ids, labels, ref: dict, tp: int, row: dict) -> None:
         apply_tensor_parallelism(hf, mesh, tp_plan)
         if tied:
             hf.tie_weights()
-        with CommDebugMode() as cm:
+        with comm_debug_mode() as cm:
             out = hf(input_ids=ids, labels=labels)
             fwd = cm.get_total_counts()
             out.loss.backward()
@@ -326,12 +356,14 @@ def run_hf(model, mesh, ids, labels, ref: dict, tp: int, row: dict) -> None:
     except Exception as e:  # noqa: BLE001
         row["hf_comm"] = f"fails: {type(e).__name__}"
         row["hf_error"] = f"{type(e).__name__}: {first_line(e)}"
+        row["hf_traceback"] = tb_tail(e, 25)
 
 
 def capture_only(model, ids, labels, plan=None) -> str:
     """Whether torch.export (fxshard's capture) takes the model, when the transform did not say."""
     try:
-        fxshard.trace(model, plan, example_kwargs={"input_ids": ids, "labels": labels}, capture="export")
+        with plain():  # as transform does: simulated ranks off, the (fake) process group still up
+            fxshard.trace(model, plan, example_kwargs={"input_ids": ids, "labels": labels}, capture="export")
         return "yes"
     except FamilyTimeout:
         raise

@@ -42,7 +42,7 @@ import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan, colwise  # noqa: E402
 from fxshard.launch import spawn  # noqa: E402
 from fxshard.meta import KEY, TensorInfo  # noqa: E402
-from fxshard.models import WithLoss, llama, llama_plan, tokens  # noqa: E402
+from fxshard.testing.models import WithLoss, llama, llama_plan, tokens  # noqa: E402
 
 VARIANTS = ("single device", "dense", "gathered", "loss parallel")
 

@@ -3,8 +3,8 @@
 A step is forward, cross-entropy, backward and SGD, on real ranks (``--tp`` gloo
 processes, one CPU thread each; under ``torchrun --device cuda``, NCCL).  The three
 contenders share the weights, the batch and the ``parallelize_module`` plan dict
-(``fxshard.bench.torch_llama_plan``; ``Plan.from_torch`` of it is checked to equal
-``fxshard.models.llama_plan()``):
+(``fxshard.testing.bench.torch_llama_plan``; ``Plan.from_torch`` of it is checked to equal
+``fxshard.testing.models.llama_plan()``):
 
 * ``megatron``: column/row-parallel layers written by hand (the reference);
 * ``fxshard``: ``fxshard.transform(model, Plan.from_torch(mesh, plan_dict))``;
@@ -43,13 +43,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, describe_machine, pyplot, save_plot, table, write_json  # noqa: E402
 
-from fxshard import bench  # noqa: E402
+from fxshard.testing import bench  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama", choices=list(bench.SUITES),
-                   help="llama: fxshard.models.Llama vs hand-written Megatron and DTensor; hf-llama: transformers' "
+                   help="llama: fxshard.testing.models.Llama vs hand-written Megatron and DTensor; hf-llama: transformers' "
                         "LlamaForCausalLM vs HF's tp_plan='auto', DTensor and one device")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to spawn on CPU (torchrun: the world size)")
     p.add_argument("--sizes", default="small,large",

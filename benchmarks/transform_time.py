@@ -37,7 +37,7 @@ from common import RESULTS, describe_machine, pyplot, save_plot, table, write_js
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan  # noqa: E402
-from fxshard.models import llama, llama_plan, tokens  # noqa: E402
+from fxshard.testing.models import llama, llama_plan, tokens  # noqa: E402
 
 _PIPELINE = importlib.import_module("fxshard.transform")  # the module (fxshard.transform is the function)
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard
 import fxshard
 from fxshard.moe import expert_parallel, softmax_topk
 from fxshard.launch import spawn
-from fxshard.moe_models import mixtral
+from fxshard.testing.moe_models import mixtral
 
 WORLD = 2
 STEPS = 3

@@ -4,7 +4,7 @@
     python -m fxshard demo --moe      # a tiny Mixtral, expert parallel: all-to-alls inside the MoE blocks
     python -m fxshard demo --bench    # ... then time a step: fxshard vs DTensor vs hand-written Megatron
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
-    python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.models:llama_plan --mesh tp=4
+    python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4
 """
 from __future__ import annotations
 

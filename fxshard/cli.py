@@ -2,8 +2,8 @@
 
 Example::
 
-    python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' \\
-        --plan fxshard.models:llama_plan --mesh tp=4 --region layers.0
+    python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' \\
+        --plan fxshard.testing.models:llama_plan --mesh tp=4 --region layers.0
     python -m fxshard dump mypkg.model:build --plan mypkg.plans:tp_plan --mesh dp=2,tp=4 \\
         --example mypkg.model:example_inputs --format svg -o graph.svg
 
@@ -48,9 +48,9 @@ class UsageError(Exception):
 def add_dump_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``fxshard dump`` (shared by ``python -m fxshard`` and :func:`main`)."""
     parser.add_argument("model", metavar="MODULE:FACTORY",
-                        help="model factory, e.g. 'fxshard.models:llama(n_heads=8,n_kv_heads=4)'")
+                        help="model factory, e.g. 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)'")
     parser.add_argument("--plan", required=True, metavar="MODULE:PLAN",
-                        help="plan dict / Plan / factory of one / function of the mesh, e.g. fxshard.models:llama_plan")
+                        help="plan dict / Plan / factory of one / function of the mesh, e.g. fxshard.testing.models:llama_plan")
     parser.add_argument("--mesh", required=True, metavar="AXIS=SIZE[,AXIS=SIZE]", help="e.g. tp=4 or dp=2,tp=4")
     parser.add_argument("--example", metavar="MODULE:INPUTS",
                         help="factory of the single-device example inputs (default: tokens(2, 8, vocab) for a model with .args.vocab_size)")
@@ -186,7 +186,7 @@ def load_inputs(text: str | None, model) -> tuple:
         if vocab is None:
             raise UsageError(f"{type(model).__name__} has no .args.vocab_size, so fxshard cannot guess its inputs: "
                              f"pass --example MODULE:INPUTS_FACTORY")
-        from .models import tokens
+        from .testing.models import tokens
 
         return (tokens(2, 8, int(vocab)),)
     obj, args, kwargs = resolve(text)

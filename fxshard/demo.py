@@ -13,7 +13,7 @@ from . import launch
 
 
 def _train(model, step_inputs, steps, lr=0.05, show_progress=False):
-    from .bench import progress
+    from .testing.bench import progress
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
@@ -37,7 +37,7 @@ def _step(model, opt, step_inputs) -> float:
 
 def _rank_main(rank: int, world_size: int, args) -> None:
     import fxshard
-    from fxshard.models import llama, llama_plan, tokens
+    from fxshard.testing.models import llama, llama_plan, tokens
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -71,12 +71,12 @@ def _rank_main(rank: int, world_size: int, args) -> None:
 
 def _bench(rank: int, world_size: int, args, device: str, model) -> None:
     """``--bench``: the step-time comparison (fxshard vs DTensor vs hand-written Megatron)
-    of the demo model on these ranks; see ``fxshard.bench`` and benchmarks/step_time.py."""
+    of the demo model on these ranks; see ``fxshard.testing.bench`` and benchmarks/step_time.py."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import bench
+    from .testing import bench
 
     a = model.args
     size = replace(bench.SIZES["small"], name="demo", dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads,
@@ -89,14 +89,14 @@ def _bench(rank: int, world_size: int, args, device: str, model) -> None:
     rows = bench.time_on_mesh(mesh, [size], modes, warmup=2, iters=args.bench_iters, device=device)
     if rank == 0:
         print(bench.format_table(rows))
-        print("megatron: hand-written column/row-parallel layers (fxshard.bench.MegatronLlama); dtensor: "
+        print("megatron: hand-written column/row-parallel layers (fxshard.testing.bench.MegatronLlama); dtensor: "
               "parallelize_module with the same plan dict.  Full benchmark: python benchmarks/step_time.py")
 
 
 def run_demo(args) -> int:
     """``python -m fxshard demo``: gloo processes on CPU, or torchrun's ranks (NCCL on CUDA)."""
     if getattr(args, "moe", False):
-        from .moe_models import run_moe_demo
+        from .testing.moe_models import run_moe_demo
 
         return run_moe_demo(args.world_size, args.steps, args.layer)
     launch.run(_rank_main, args.world_size, args)

@@ -29,9 +29,11 @@ _PASSES = os.path.join(os.path.dirname(_PKG), "passes")
 
 
 def _internal(path: str) -> bool:
-    """Frames of torch and of fxshard's own machinery (its model zoo is user code)."""
+    """Frames of torch and of fxshard's own machinery (capture hooks included); its test
+    and demo models (``fxshard.testing``) are user code."""
     d = os.path.dirname(os.path.abspath(path))
-    return "/torch/" in path or d in (_PASSES, os.path.join(_PKG, "passes")) or (d == _PKG and not path.endswith("models.py"))
+    ours = d == _PKG or d.startswith(_PKG + os.sep) or d in (_PASSES, os.path.join(_PKG, "passes"))
+    return "/torch/" in path or (ours and d != os.path.join(_PKG, "testing"))
 
 
 def source_line(node: fx.Node) -> str | None:

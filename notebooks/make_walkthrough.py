@@ -49,7 +49,7 @@ CELLS: list[tuple[str, str]] = [
     import torch.nn.functional as F
 
     import fxshard
-    from fxshard.models import WithLoss, llama, llama_plan, tokens
+    from fxshard.testing.models import WithLoss, llama, llama_plan, tokens
 
     torch.set_num_threads(1)  # tiny model: threads cost more than they give
     """),
@@ -102,7 +102,7 @@ CELLS: list[tuple[str, str]] = [
     """),
     ("md", """
     A plan is data: printable and comparable. The same plan is ready-made for the model
-    zoo: `fxshard.models.llama_plan("tp")` (with `sequence_parallel=`, `loss_parallel=`
+    zoo: `fxshard.testing.models.llama_plan("tp")` (with `sequence_parallel=`, `loss_parallel=`
     and `fused=` variants, see section 8).
 
     ## 3. Transform, and read the per-rank program
@@ -344,7 +344,7 @@ CELLS: list[tuple[str, str]] = [
 
     * `README.md`: the plan presets, `Plan.from_torch` for plans written for
       `parallelize_module`, checkpoints (`fxshard.full_state_dict`), `torch.compile`.
-    * `python -m fxshard dump 'fxshard.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.models:llama_plan --mesh tp=4`:
+    * `python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4`:
       the dump from the command line.
     * `python -m fxshard demo`: the same model on 2 real gloo processes.
     """),

@@ -18,10 +18,10 @@ import fxshard
 from fxshard import MeshSpec, Plan, cli
 from fxshard.comm import comm_summary
 from fxshard.dump_formats import to_json
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
-LLAMA = "fxshard.models:llama(n_heads=8,n_kv_heads=4)"
-BASE = [LLAMA, "--plan", "fxshard.models:llama_plan", "--mesh", "tp=4"]
+LLAMA = "fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)"
+BASE = [LLAMA, "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=4"]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def test_diff(capsys):
 
 def test_bad_plan_exits_1_with_the_plan_error():
     """llama() has 2 kv heads: they cannot be split over 4 ranks."""
-    proc = subprocess.run([sys.executable, "-m", "fxshard", "dump", "fxshard.models:llama",
-                           "--plan", "fxshard.models:llama_plan", "--mesh", "tp=4"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "fxshard", "dump", "fxshard.testing.models:llama",
+                           "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=4"], capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     assert "the plan does not fit the model" in proc.stderr
@@ -100,7 +100,7 @@ def test_plan_forms(capsys, tmp_path, monkeypatch, reference):
     """A dict, a factory with kwargs, a function of the mesh, a factory returning one."""
     (tmp_path / "userplans.py").write_text(textwrap.dedent("""
         import fxshard
-        from fxshard.models import llama_plan
+        from fxshard.testing.models import llama_plan
         PLAN = llama_plan("tp")
         def by_mesh(mesh):
             return fxshard.Plan(mesh, llama_plan("tp"))
@@ -109,32 +109,32 @@ def test_plan_forms(capsys, tmp_path, monkeypatch, reference):
         def wrong_mesh():
             return fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), llama_plan("tp"))
         def inputs(batch=2):
-            from fxshard.models import tokens
+            from fxshard.testing.models import tokens
             return (tokens(batch, 8, 128),)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     expected = to_json(reference)
-    for plan in ("userplans:PLAN", "userplans:by_mesh", "userplans:factory", "fxshard.models:llama_plan(axis='tp')",
-                 "fxshard.models:llama_plan('tp', fused=False)"):
+    for plan in ("userplans:PLAN", "userplans:by_mesh", "userplans:factory", "fxshard.testing.models:llama_plan(axis='tp')",
+                 "fxshard.testing.models:llama_plan('tp', fused=False)"):
         rc, out, err = _run(capsys, LLAMA, "--plan", plan, "--mesh", "tp=4", "--format", "json",
                             "--example", "userplans:inputs")
         assert rc == 0, (plan, err)
         assert out == expected, plan
     rc, out, err = _run(capsys, LLAMA, "--plan", "userplans:wrong_mesh", "--mesh", "tp=4")
     assert rc == 2 and "write the plan as a function of the mesh" in err
-    rc, out, err = _run(capsys, LLAMA, "--plan", "fxshard.models:llama_plan", "--mesh", "tp=4", "--format", "json",
+    rc, out, err = _run(capsys, LLAMA, "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=4", "--format", "json",
                         "--example", "userplans:inputs(batch=4)")
     assert rc == 0 and json.loads(out)["nodes"][0]["shape"] == [4, 8]
 
 
 def test_model_without_vocab_needs_example(capsys, tmp_path, monkeypatch):
-    rc, _, err = _run(capsys, "fxshard.models:mlp", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2")
+    rc, _, err = _run(capsys, "fxshard.testing.models:mlp", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2")
     assert rc == 2 and "pass --example" in err
     (tmp_path / "mlpinputs.py").write_text("import torch\ndef x():\n    return torch.zeros(3, 32)\n"
                                            "def plan():\n    import fxshard\n"
                                            "    return {'fc1': fxshard.colwise(), 'fc2': fxshard.rowwise()}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    rc, out, err = _run(capsys, "fxshard.models:mlp(hidden=64)", "--plan", "mlpinputs:plan", "--mesh", "tp=2",
+    rc, out, err = _run(capsys, "fxshard.testing.models:mlp(hidden=64)", "--plan", "mlpinputs:plan", "--mesh", "tp=2",
                         "--example", "mlpinputs:x", "--format", "json")
     assert rc == 0, err
     fc1 = next(n for n in json.loads(out)["nodes"] if n["target"] == "fc1.weight")
@@ -142,14 +142,14 @@ def test_model_without_vocab_needs_example(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["fxshard.models:llama", "--plan", "fxshard.models:llama_plan", "--mesh", "tp4"], "write AXIS=SIZE pairs"),
-    (["fxshard.models:llama", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=0"], "sizes must be >= 1"),
-    (["fxshard.models:lama", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2"], "did you mean ['llama'"),
-    (["fxshard.nosuch:llama", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2"], "cannot import module 'fxshard.nosuch'"),
-    (["fxshard.models:llama(n_heads=x)", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2"], "must be Python literals"),
-    (["fxshard.models:llama(n_head=8)", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2"], "raised TypeError"),
-    (["fxshard.models:llama", "--plan", "fxshard.models:tokens(1, 2, 3)", "--mesh", "tp=2"], "gave a Tensor"),
-    (["fxshard.models:llama", "--plan", "fxshard.models:llama_plan", "--mesh", "tp=2", "--format", "svg"], "add -o FILE.svg"),
+    (["fxshard.testing.models:llama", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp4"], "write AXIS=SIZE pairs"),
+    (["fxshard.testing.models:llama", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=0"], "sizes must be >= 1"),
+    (["fxshard.testing.models:lama", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2"], "did you mean ['llama'"),
+    (["fxshard.nosuch:llama", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2"], "cannot import module 'fxshard.nosuch'"),
+    (["fxshard.testing.models:llama(n_heads=x)", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2"], "must be Python literals"),
+    (["fxshard.testing.models:llama(n_head=8)", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2"], "raised TypeError"),
+    (["fxshard.testing.models:llama", "--plan", "fxshard.testing.models:tokens(1, 2, 3)", "--mesh", "tp=2"], "gave a Tensor"),
+    (["fxshard.testing.models:llama", "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2", "--format", "svg"], "add -o FILE.svg"),
 ])
 def test_usage_errors_exit_2(capsys, argv, message):
     rc, out, err = _run(capsys, *argv)

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxshard
 from fxshard import MeshSpec, Plan, colwise, rowwise
 from fxshard.comm import comm_summary
-from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, mlp, tokens
+from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, mlp, tokens
 
 try:
     from harness import make_mesh, plain, simulated, spawn
@@ -181,7 +181,7 @@ def test_dump_header_totals():
 
 
 def _moe_ranks(rank: int, world_size: int) -> None:
-    from fxshard.moe_models import moe_plan, moe_transformer
+    from fxshard.testing.moe_models import moe_plan, moe_transformer
 
     mesh = make_mesh({"ep": world_size})
     model = moe_transformer(seed=0)

@@ -49,20 +49,20 @@ class Case:
 
 
 def _llama():
-    from fxshard.models import llama
+    from fxshard.testing.models import llama
 
     return llama(n_heads=8, n_kv_heads=4, n_layers=2, rope="real")  # real rope: inductor has no complex codegen
 
 
 def _llama_plan(mesh):
     import fxshard
-    from fxshard.models import llama_plan
+    from fxshard.testing.models import llama_plan
 
     return fxshard.Plan(mesh, llama_plan("tp"))
 
 
 def _token_inputs():
-    from fxshard.models import tokens
+    from fxshard.testing.models import tokens
 
     return (tokens(2, 8, 128),)
 
@@ -72,21 +72,21 @@ def _logits_loss(out, ids):
 
 
 def _gpt2_with_loss():
-    from fxshard.models import WithLoss, gpt2
+    from fxshard.testing.models import WithLoss, gpt2
 
     return WithLoss(gpt2())
 
 
 def _gpt2_sp_plan(mesh):
     import fxshard
-    from fxshard.models import gpt2_plan
+    from fxshard.testing.models import gpt2_plan
 
     plan = gpt2_plan("tp", sequence_parallel=True, loss_parallel=True)
     return fxshard.Plan(mesh, {f"model.{k}": v for k, v in plan.items()})
 
 
 def _token_and_target_inputs():
-    from fxshard.models import tokens
+    from fxshard.testing.models import tokens
 
     return (tokens(2, 8, 128), tokens(2, 8, 128, seed=1))
 

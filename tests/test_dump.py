@@ -11,7 +11,7 @@ import expecttest
 
 import fxshard
 from fxshard import MeshSpec, Plan
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 
 def _sharded_llama():

@@ -22,7 +22,7 @@ from fxshard import MeshSpec, Plan, colwise, rowwise
 from fxshard.dump_formats import render, to_dot, to_json, to_networkx
 from fxshard.layout import fmt_placement
 from fxshard.meta import KEY, TensorInfo
-from fxshard.models import MLP, llama, llama_plan, mlp, tokens
+from fxshard.testing.models import MLP, llama, llama_plan, mlp, tokens
 
 
 def _mlp_sharded():

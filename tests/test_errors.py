@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, PlacementMismatchError, Plan, PlanError, colwise, rowwise
 from fxshard.meta import KEY
-from fxshard.models import gpt2, llama, llama_plan, mlp, tokens
+from fxshard.testing.models import gpt2, llama, llama_plan, mlp, tokens
 
 IDS = tokens(2, 8, 128)
 X = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0))

@@ -13,7 +13,7 @@ import fxshard
 from fxshard import MeshSpec, Plan
 from fxshard.explain import explain
 from fxshard.meta import KEY, SizeInfo
-from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
+from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy, weighted_sum
 from fxshard import Plan
-from fxshard.models import LlamaArgs, WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
+from fxshard.testing.models import LlamaArgs, WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
 
 V = 128
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fxshard
 from fxshard import MeshSpec, Plan
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
 from harness import simulated

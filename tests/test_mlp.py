@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
 from fxshard import ModuleSpec, Plan
-from fxshard.models import mlp
+from fxshard.testing.models import mlp
 
 from equivalence import Case, check_real_cases, check_simulated
 from harness import plain, rank_map, rank_value, simulated

@@ -20,7 +20,7 @@ import fxshard
 from equivalence import Case, check_real_cases
 from fxshard import MeshSpec, Plan
 from fxshard.meta import info
-from fxshard.moe_models import GroupedMoE, moe_plan, moe_transformer, route_to
+from fxshard.testing.moe_models import GroupedMoE, moe_plan, moe_transformer, route_to
 
 X = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
 

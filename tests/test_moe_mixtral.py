@@ -21,7 +21,7 @@ import fxshard
 from equivalence import Case, check_real_cases
 from fxshard.meta import info
 from fxshard.moe import ExpertList, softmax_topk
-from fxshard.moe_models import MixtralSparseMoE, mixtral_plan, moe_transformer, route_to
+from fxshard.testing.moe_models import MixtralSparseMoE, mixtral_plan, moe_transformer, route_to
 
 N_EXPERTS = 4
 

@@ -10,7 +10,7 @@ import torch
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
 from fxshard import MeshSpec, Plan
-from fxshard.models import tokens
+from fxshard.testing.models import tokens
 from fxshard.testing.nanogpt import GPTConfig, nanogpt, nanogpt_plan
 
 V = GPTConfig().vocab_size

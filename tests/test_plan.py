@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import (
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, rowwise, sequence_parallel, vocab_parallel
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 TP2 = MeshSpec(("tp",), (2,))
 IDS = tokens(2, 8, 128)

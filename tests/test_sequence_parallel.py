@@ -7,7 +7,7 @@ from expecttest import TestCase
 import fxshard
 from fxshard import MeshSpec, Plan, runtime
 from fxshard.meta import KEY
-from fxshard.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
+from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
 from harness import simulated
 
 V = 128

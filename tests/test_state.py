@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan
-from fxshard.models import LlamaArgs, llama, llama_plan, tokens
+from fxshard.testing.models import LlamaArgs, llama, llama_plan, tokens
 
 from equivalence import coords_of, slice_for
 from harness import make_mesh, plain, rank_map, rank_value, simulated, spawn

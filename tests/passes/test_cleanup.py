@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate
 
 import fxshard
 from fxshard import MeshSpec, Plan, colwise, rowwise, runtime
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 from equivalence import check_simulated
 

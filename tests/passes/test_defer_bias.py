@@ -21,7 +21,7 @@ def _plan(out):
 
 
 def _model():
-    from fxshard.models import mlp
+    from fxshard.testing.models import mlp
     return mlp(dim=32, hidden=64)
 
 

@@ -9,7 +9,7 @@ import fxshard
 from fxshard import MeshSpec, Plan
 from fxshard.meta import info
 from fxshard.moe import ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
-from fxshard.moe_models import moe_transformer
+from fxshard.testing.moe_models import moe_transformer
 from harness import make_mesh, spawn
 
 X = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Shard
 
 from fxshard import MeshSpec, Plan, colwise, rowwise, runtime
 from fxshard.meta import KEY
-from fxshard.models import llama, llama_plan, mlp, tokens
+from fxshard.testing.models import llama, llama_plan, mlp, tokens
 
 from equivalence import check_simulated
 

@@ -10,7 +10,7 @@ import fxshard
 from equivalence import check_simulated
 from fxshard import MeshSpec, ModuleSpec, Plan
 from fxshard.meta import LocalRegion, info
-from fxshard.moe_models import GroupedExperts, MixtralSparseMoE, moe_plan, moe_transformer
+from fxshard.testing.moe_models import GroupedExperts, MixtralSparseMoE, moe_plan, moe_transformer
 
 X = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
 

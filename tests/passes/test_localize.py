@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard import MeshSpec, Plan, PlanError, colwise
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 IDS = tokens(2, 8, 128)
 

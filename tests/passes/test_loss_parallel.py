@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import fxshard
 from fxshard import MeshSpec, Plan, colwise
 from fxshard.meta import KEY, TensorInfo
-from fxshard.models import WithLoss, llama, llama_plan, tokens
+from fxshard.testing.models import WithLoss, llama, llama_plan, tokens
 from harness import plain, rank_map, rank_value, simulated, spawn
 
 V = 128

@@ -15,7 +15,7 @@ from equivalence import check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise, vocab_parallel
 from fxshard.boundary import region_output
 from fxshard.meta import KEY, SizeInfo, TensorInfo
-from fxshard.models import llama, llama_plan, mlp, tokens
+from fxshard.testing.models import llama, llama_plan, mlp, tokens
 
 IDS = tokens(2, 8, 128)
 R = Replicate()

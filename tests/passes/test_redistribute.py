@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard import MeshSpec, ModuleSpec, Plan, colwise, rowwise, runtime
 from fxshard.boundary import is_marker
 from fxshard.meta import KEY
-from fxshard.models import mlp
+from fxshard.testing.models import mlp
 
 from equivalence import check_simulated
 

@@ -7,7 +7,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard import MeshSpec, Plan
 from fxshard.boundary import region_input, region_output
 from fxshard.meta import KEY, Boundary
-from fxshard.models import llama, llama_plan, tokens
+from fxshard.testing.models import llama, llama_plan, tokens
 
 MESH = MeshSpec(("dp", "tp"), (2, 2))
 IDS = tokens(4, 8, 128)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan
-from fxshard.models import gpt2, gpt2_plan, llama, llama_plan, mlp, tokens
+from fxshard.testing.models import gpt2, gpt2_plan, llama, llama_plan, mlp, tokens
 
 from equivalence import slice_for
 from harness import plain, rank_value, simulated

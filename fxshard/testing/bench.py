@@ -1,6 +1,6 @@
 """Step-time comparison: fxshard vs DTensor ``parallelize_module`` vs hand-written Megatron layers.
 
-One training step (forward, cross-entropy, backward, SGD) of :class:`fxshard.models.Llama`
+One training step (forward, cross-entropy, backward, SGD) of :class:`fxshard.testing.models.Llama`
 on real ranks (gloo processes on CPU, NCCL under ``torchrun`` on GPUs), for three
 contenders built from the same weights and the same ``parallelize_module`` plan dict:
 
@@ -26,7 +26,7 @@ parallelism (``from_pretrained(dir, tp_plan="auto")``, the reference ``hf_tp``),
 
 Example::
 
-    from fxshard import bench
+    from fxshard.testing import bench
     rows = bench.run_step_time([bench.SIZES["small"]], tp=2, modes=["eager"], iters=10)
     print(bench.format_table(rows))
     rows = bench.run_step_time([bench.HF_SIZES["small"]], modes=["eager"], iters=10, model="hf-llama")
@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from .launch import spawn
+from ..launch import spawn
 import torch.nn.functional as F
 from torch import nn
 
@@ -162,7 +162,7 @@ class _Null:
 
 
 def torch_llama_plan(sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
-    """The ``parallelize_module`` plan for :class:`fxshard.models.Llama` (torchtitan's).
+    """The ``parallelize_module`` plan for :class:`fxshard.testing.models.Llama` (torchtitan's).
 
     ``Plan.from_torch(mesh, torch_llama_plan())`` equals ``Plan(mesh, llama_plan())``;
     the step-time benchmark checks it and gives the same dict to both contenders.
@@ -307,7 +307,7 @@ class _MegatronBlock(nn.Module):
 
 
 class MegatronLlama(nn.Module):
-    """Hand-written Megatron tensor parallelism of a :class:`fxshard.models.Llama`
+    """Hand-written Megatron tensor parallelism of a :class:`fxshard.testing.models.Llama`
     (complex rope, unfused projections): q/k/v and w1/w3 column-parallel behind one
     ``f`` (grad all-reduce), o and w2 row-parallel followed by ``g`` (all-reduce);
     embedding, norms and LM head replicated.  No fx: the reference for the benchmarks.
@@ -347,7 +347,7 @@ def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.M
     """The three contenders, their batch ``(ids, targets)`` and the single-device loss of
     the first step (their reference)."""
     import fxshard
-    from fxshard.models import llama, llama_plan, tokens
+    from fxshard.testing.models import llama, llama_plan, tokens
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
@@ -491,7 +491,7 @@ def _build_hf_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, n
     """HF's TP, fxshard, DTensor and one device on ``LlamaForCausalLM`` of ``size``, all
     from the same weights, and their batch ``{"input_ids", "labels"}``."""
     import fxshard
-    from fxshard.models import tokens
+    from fxshard.testing.models import tokens
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = hf_llama(size, seed=0).to(device)
@@ -548,7 +548,7 @@ class Suite:
 SUITES = {
     "llama": Suite("llama", CONTENDERS, "megatron", "megatron", SIZES, _build_contenders,
                    lambda m, opt, batch: _train_step(m, opt, *batch), "step_time",
-                   "fxshard.models.Llama: hand-written Megatron (megatron), fxshard, DTensor parallelize_module"),
+                   "fxshard.testing.models.Llama: hand-written Megatron (megatron), fxshard, DTensor parallelize_module"),
     "hf-llama": Suite("hf-llama", HF_CONTENDERS, "hf_tp", "single", HF_SIZES, _build_hf_contenders, _hf_train_step,
                       "step_time_hf_llama",
                       "transformers LlamaForCausalLM: HF from_pretrained(tp_plan='auto') (hf_tp), fxshard "

@@ -14,7 +14,7 @@ MoE block, final ``norm`` and ``output``):
 
 With ``vocab_size`` the model maps token ids to logits; without it, it maps hidden
 states ``[B, S, dim]`` to ``[B, S, dim]`` (so tests can check input gradients).
-Deterministic initialisation as in :mod:`fxshard.models` (:func:`init_params`).
+Deterministic initialisation as in :mod:`fxshard.testing.models` (:func:`init_params`).
 
 Example::
 
@@ -319,7 +319,7 @@ def run_moe_demo(world_size: int = 2, steps: int = 3, layer: str = "layers.0") -
     """``python -m fxshard demo --moe``: a tiny Mixtral, expert parallel over
     ``world_size`` gloo ranks on CPU: dump one layer (with the all-to-alls inside the
     MoE block), train a few SGD steps and compare the loss with one device."""
-    from .launch import spawn
+    from ..launch import spawn
 
     spawn(_demo_rank, world_size, steps, layer)
     return 0

@@ -1,11 +1,11 @@
-"""Sanity checks for the test model zoo in tests/models.py."""
+"""Sanity checks for the test model zoo in fxshard/testing/models.py."""
 import itertools
 
 import pytest
 import torch
 import torch.fx
 
-from fxshard import models as M
+from fxshard.testing import models as M
 
 SHAPES = [(2, 8), (3, 5)]
 

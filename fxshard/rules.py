@@ -689,6 +689,27 @@ def permute_like(kind: str):
     return rule
 
 
+def copy_into(ctx: Ctx):
+    """``dst.copy_(src)`` (an in-place slice assignment, ``k[..., 64:] = k_pe``): each rank
+    writes its part of ``src`` into its part of ``dst``, so ``src`` must be laid out like
+    ``dst`` or be Replicate and broadcast along the dims ``dst`` is sharded on."""
+    dst, src = ctx.t(0), ctx.t(1)
+    off = len(dst.shape) - len(src.shape)
+
+    def one(axis):
+        pd, ps = dst.layout[axis], src.layout[axis]
+        if ps == pd:
+            return pd
+        if isinstance(ps, Replicate) and isinstance(pd, Shard):
+            sd = pd.dim - off
+            if sd < 0 or src.shape[sd] == 1:
+                return pd
+        raise ctx.fail(f"copies a {fmt_placement(ps)} value into a {fmt_placement(pd)} one on axis {axis!r}: the ranks' "
+                       "parts do not line up", "give the copied value the layout of its destination in the plan, or make both Replicate")
+
+    return _layout_map(ctx, one)
+
+
 def expand(ctx: Ctx):
     x = ctx.t(0)
     off = ctx.out_ndim - len(x.shape)
@@ -872,6 +893,7 @@ _unary, _nonlin = pointwise("unary"), pointwise(None)
 _type_as = pointwise("unary", tensor_positions=(0,))
 
 RULES: dict[Any, Callable] = {
+    torch.ops.aten.copy_.default: copy_into,
     operator.add: _add, operator.sub: _add, operator.mul: _mul, operator.truediv: _div, operator.neg: _unary,
     operator.pow: _nonlin, operator.matmul: matmul, operator.getitem: getitem, builtins.getattr: getattr_rule,
     torch.add: _add, torch.sub: _add, torch.mul: _mul, torch.div: _div, torch.neg: _unary,
@@ -899,6 +921,7 @@ RULES.update({f: scalar_or(None) for f in vars(math).values() if callable(f) and
 RULES.update({f: scalar_or(None) for f in (builtins.min, builtins.max, builtins.round, builtins.int, builtins.float)})
 
 METHOD_RULES: dict[str, Callable] = {
+    "copy_": copy_into,
     "add": _add, "sub": _add, "mul": _mul, "div": _div, "neg": _unary, "__add__": _add,
     "float": _unary, "half": _unary, "bfloat16": _unary, "double": _unary, "to": _type_as, "type_as": _type_as,
     "contiguous": _unary, "clone": _unary, "detach": _unary,

@@ -17,6 +17,14 @@ from fxshard import runtime
 _INVERSE = {runtime.shard: runtime.all_gather, runtime.all_gather: runtime.shard}
 
 
+def mutates(node: fx.Node) -> bool:
+    """Kept although unused: fx's own test, and in-place ``Tensor`` methods
+    (``k[..., :2].copy_(x)`` writes into ``k`` and has no user)."""
+    if node.is_impure():
+        return True
+    return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
+
+
 def cleanup(gm: fx.GraphModule) -> fx.GraphModule:
     """Simplify and recompile (in place)."""
     graph = gm.graph
@@ -27,7 +35,7 @@ def cleanup(gm: fx.GraphModule) -> fx.GraphModule:
                 and inner.kwargs.get("grad", "replicate") == "replicate"):
             node.replace_all_uses_with(inner.args[0])
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=mutates)
     graph.lint()
     drop_unused_modules(gm)
     gm.recompile()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -83,6 +84,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     gm = ep.module()
     _every_fqn(gm, model)
     _drop_guards(gm)
+    _inline_no_grad_blocks(gm)
     _markers_from_boundaries(gm)
     translate_aten(gm)
     _module_stack_types(gm, model)
@@ -242,6 +244,41 @@ def _drop_guards(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+
+
+def _inline_no_grad_blocks(gm: fx.GraphModule) -> None:
+    """A ``with torch.no_grad():`` block is exported as a higher-order op around a
+    submodule, opaque to layout rules (HF's rotary embeddings are one).  Inlined, with
+    every output detached, it computes the same values and passes no gradient, as
+    before, and its ops get layouts like any other."""
+    graph = gm.graph
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is hop and node.args[0] is False):
+            continue
+        sub = getattr(gm, node.args[1].target)
+        if any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
+            continue  # reads state of its own: leave it whole
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(node):
+            outs = graph.graph_copy(sub.graph, dict(zip(placeholders, node.args[2:])))
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            detached = []
+            for o in outs:
+                d = graph.call_method("detach", (o,)) if isinstance(o, fx.Node) else o
+                if isinstance(o, fx.Node):
+                    d.meta = {k: v for k, v in o.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+                detached.append(d)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(detached[user.args[1]])
+                graph.erase_node(user)
+        if not node.users:
+            submod_attr = node.args[1]
+            graph.erase_node(node)
+            if not submod_attr.users:
+                graph.erase_node(submod_attr)
+    gm.delete_all_unused_submodules()
 
 
 def _markers_from_boundaries(gm: fx.GraphModule) -> None:

@@ -13,7 +13,7 @@ seed::
         ids = torch.randint(0, 128, (2, 8))
         out = model(input_ids=ids, labels=ids)  # out.logits [2, 8, 128], out.loss
 
-The sizes (:data:`TINY`): hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16,
+The sizes (:data:`TINY`): hidden 64, 2 layers (up to 4 where layers differ, below), 4 heads, 2 kv heads, head_dim 16,
 intermediate 128, vocab 128, max positions 64; every dropout and jitter 0,
 ``use_cache=False``, router logits not returned (the loss is the cross-entropy alone).
 MoE fields are small when the config has them: 4 experts, top-2, expert width 32, one

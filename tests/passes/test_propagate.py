@@ -7,6 +7,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -233,3 +234,43 @@ def test_positions_from_a_sharded_size_are_refused():
         assert fragment in msg, f"{fragment!r} missing from:\n{msg}"
     gm = fxshard.transform(Positions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(0)}}), (x,))
     assert any(n.target is torch.arange for n in gm.graph.nodes)
+
+
+class SliceAssign(nn.Module):
+    """MLA-style key assembly: head-sharded parts and a replicated part broadcast over
+    the heads are copied into slices of one buffer (``k[..., :2].copy_(...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.rot = nn.Parameter(torch.randn(2))
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.up(x).view(x.shape[0], x.shape[1], 4, 4)
+        k = torch.zeros_like(h)
+        k[..., :2].copy_(h[..., :2])
+        k[..., 2:].copy_(self.rot)  # Replicate, broadcast along the sharded heads
+        return self.down(k.flatten(2))
+
+
+def test_copy_into_a_slice_of_a_sharded_buffer_is_equal():
+    from equivalence import check_simulated
+    from fxshard import rowwise
+
+    check_simulated(SliceAssign, lambda mesh: Plan(mesh, {"up": colwise(), "down": rowwise()}), (torch.randn(2, 3, 8),), {"tp": 2})
+
+
+class SliceAssignMismatch(SliceAssign):
+    def forward(self, x):
+        h = self.up(x).view(x.shape[0], x.shape[1], 4, 4)
+        k = torch.zeros(x.shape[0], x.shape[1], 4, 4)  # Replicate: the sharded parts do not line up
+        k[..., :2].copy_(h[..., :2])
+        return self.down(k.flatten(2))
+
+
+def test_copy_of_a_sharded_value_into_a_replicated_buffer_is_refused():
+    from fxshard import rowwise, transform
+
+    with pytest.raises(PlanError, match="copies a S\\(2\\) value into a R one"):
+        transform(SliceAssignMismatch(), Plan(MeshSpec(("tp",), (2,)), {"up": colwise(), "down": rowwise()}), (torch.randn(2, 3, 8),))

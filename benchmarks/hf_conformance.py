@@ -193,7 +193,10 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
             row["captured"] = "no" if "capturing" in first_line(e) and "torch.export" in first_line(e) else "yes"
         check_side_effects(model, snapshot, family, stage, findings)
         if stage == "Plan.from_hf":  # refused before capture: does the model capture at all?
+            capture_only.last_error = None
             row["captured"] = capture_only(model, ids, labels)
+            if capture_only.last_error:
+                row["capture_error"] = capture_only.last_error[:3000]
             check_side_effects(model, snapshot, family, "capture (fxshard.trace)", findings)
         return
     except FamilyTimeout:
@@ -368,6 +371,7 @@ def capture_only(model, ids, labels, plan=None) -> str:
     except FamilyTimeout:
         raise
     except Exception as e:  # noqa: BLE001
+        capture_only.last_error = f"{type(e).__name__}: {e}"
         return "no" if "torch.export" in first_line(e) else f"no ({type(e).__name__})"
 
 

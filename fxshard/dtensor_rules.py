@@ -67,7 +67,9 @@ def _run_recorded(node: fx.Node) -> tuple[_Recorder, Any, dict[int, Any]]:
     kwargs = tree_map(val, node.kwargs)
     fake_mode = detect_fake_mode(tree_flatten((args, kwargs))[0])
     rec = _Recorder()
-    with fake_mode or contextlib.nullcontext(), rec:
+    # torch.set_grad_enabled(torch.is_grad_enabled()): a higher-order op that raises
+    # midway would leave grad mode as its body set it
+    with torch.set_grad_enabled(torch.is_grad_enabled()), fake_mode or contextlib.nullcontext(), rec:
         if node.op == "call_method":
             out = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:

@@ -366,6 +366,10 @@ def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphM
             _close(None if g is None else rank_value(g, rank), slice_for(want, layout, coord, mesh, blocks), case, f"{where} {step}: grad of {fqn}")
 
 
+def _on_selected(case: Case, loss_fn: Callable) -> Callable:
+    return lambda out, *targets: loss_fn(case.pick(out), *targets)
+
+
 def _on_other_rank(sharded: fx.GraphModule, fqn: str) -> bool:
     """Is ``fqn`` under a child that lives on one rank only (module-list experts of a
     local region, ``LocalRegion.owners``), deleted by design on the others?"""
@@ -414,14 +418,16 @@ def _equivalence(case: Case, mesh, model, loss_fn, targets, ranks: list[int], co
     with plain():
         with torch.no_grad():
             out_ndim = case.pick(model(*case.inputs, **case.kwargs)).dim()
-        objective = loss_fn if case.replicated_loss else sliced_objective(loss_fn, out_layout, case.mesh_shape)
+        # a replicated loss reads the whole output (``o.loss``); any other the selected tensor
+        objective = loss_fn if case.replicated_loss else _on_selected(case, sliced_objective(loss_fn, out_layout, case.mesh_shape))
         ref = reference(model, case.inputs, objective, case.steps, case.lr, targets, case.kwargs, case.select)
     _check_outputs_move(case, ref)
     local_in = _local_inputs(case.inputs, in_layouts, coord_of_rank, case.mesh_shape)
     kw_layouts = [plan.inputs.get(name, {}) for name in case.kwargs]
     local_kw = dict(zip(case.kwargs, _local_inputs(list(case.kwargs.values()), kw_layouts, coord_of_rank, case.mesh_shape)))
     local_tg = _local_targets(targets, out_layout, out_ndim, coord_of_rank, case.mesh_shape)
-    rec = _run_sharded(sharded, local_in, local_tg, loss_fn, case.steps, case.lr, local_kw, case.select)
+    rank_loss = loss_fn if case.replicated_loss else _on_selected(case, loss_fn)
+    rec = _run_sharded(sharded, local_in, local_tg, rank_loss, case.steps, case.lr, local_kw, case.select)
     for r in ranks:
         with plain():
             _compare_rank(case, ref, rec, sharded, in_layouts, out_layout, r, coord_of_rank(r))

@@ -174,3 +174,25 @@ def test_report(results):
         assert heading in text
     step = json.loads((results / "step_time.json").read_text())["results"]["ratios"][0]
     assert f"**{step['fxshard_vs_megatron']:.2f}**" in text and f"**{step['fxshard_vs_dtensor']:.2f}**" in text
+
+
+# HF families the equivalence tests do not build (tests/test_hf_models.py has Llama, Qwen2/3,
+# Phi3, Gemma, GPT-2, Mistral), and two a correct fxshard must refuse (doge, gemma3n_text).
+CONFORMANCE = ["gemma2", "gemma3_text", "olmo2", "glm4", "starcoder2", "phi", "gpt_neox", "cohere", "granite",
+               "smollm3", "nemotron", "exaone4", "helium", "hrm_text", "mixtral", "qwen3_moe", "doge", "gemma3n_text"]
+
+
+def test_hf_conformance(results):
+    """Every family: exact or a PlanError that says why; no crash, no wrong number."""
+    pytest.importorskip("transformers")
+    out = results / "hf_conformance.json"
+    text = _run([str(BENCH / "hf_conformance.py"), "--families", ",".join(CONFORMANCE), "--no-hf", "--quiet",
+                 "--out", str(out)], timeout=900)
+    assert "crash 0, wrong 0" in text
+    rows = {r["family"]: r for r in _results(out)["rows"]}
+    assert set(rows) == set(CONFORMANCE)
+    for family in ("gemma2", "gemma3_text", "olmo2", "glm4", "starcoder2", "phi", "gpt_neox", "cohere", "granite",
+                   "smollm3", "nemotron", "exaone4", "helium", "hrm_text"):
+        assert rows[family]["exact"] == "yes", rows[family]
+    for family in ("mixtral", "qwen3_moe", "doge", "gemma3n_text"):
+        assert str(rows[family]["transformed"]).startswith("PlanError"), rows[family]

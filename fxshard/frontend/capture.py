@@ -264,9 +264,10 @@ def _inline_no_grad_blocks(gm: fx.GraphModule) -> None:
             outs = graph.graph_copy(sub.graph, dict(zip(placeholders, node.args[2:])))
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             detached = []
-            for o in outs:
-                d = graph.call_method("detach", (o,)) if isinstance(o, fx.Node) else o
-                if isinstance(o, fx.Node):
+            for o in outs:  # tensors leave detached; sizes (``min(k, x.shape[-1])``) as they are
+                tensor = isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+                d = graph.call_method("detach", (o,)) if tensor else o
+                if tensor:
                     d.meta = {k: v for k, v in o.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
                 detached.append(d)
         for user in list(node.users):

@@ -1,0 +1,112 @@
+"""fxshard.frontend.capture: torch.export (non-strict) normalized into the graph form the
+passes expect: boundary markers by argument name, torch-level ops, no guards, the
+model's FQNs and call convention, dynamic batch and sequence."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from equivalence import check_simulated
+from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
+from fxshard.boundary import region_input, region_output
+
+
+class Block(nn.Module):
+    """Not fx-traceable: it unpacks a shape and branches on a size, as HF code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x, scale=None):
+        b, s, _ = x.shape
+        h = self.up(x).view(b, s, 4, 4)
+        if s > 1:  # control flow on a size: symbolic_trace refuses it
+            h = h * 2.0
+        y = self.down(h.flatten(2))
+        return {"out": y if scale is None else y * scale}
+
+
+def _plan(mesh=MeshSpec(("tp",), (2,))):
+    return Plan(mesh, {"up": colwise(), "down": rowwise()})
+
+
+X = torch.randn(2, 6, 8)
+
+
+def test_untraceable_model_is_exported_and_normalized():
+    gm = fxshard.trace(Block(), _plan(), (X,))
+    assert gm.meta["captured_by"] == "torch.export"
+    markers = [(n.target.__name__, n.args[1], n.args[2]) for n in gm.graph.nodes if n.target in (region_input, region_output)]
+    assert ("region_input", "up", "input") in markers and ("region_output", "down", "output") in markers
+    code = gm.code
+    assert "torch.ops.aten.linear" not in code and "torch._C._nn.linear" in code and ".view(" in code
+    assert "_guards_fn" not in code and "_assert" not in code
+    assert {n.target for n in gm.graph.nodes if n.op == "get_attr"} == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    assert isinstance(gm(X)["out"], torch.Tensor)  # the model's output structure
+
+
+def test_exported_model_is_equal_and_dynamic():
+    check_simulated(Block, _plan, (torch.randn(3, 5, 8),), {"tp": 2}, select=lambda o: o["out"], example_inputs=(X,))
+
+
+def test_keyword_inputs_and_batch_of_one_example():
+    def loss(o, t):
+        return ((o["out"] - t) ** 2).sum()
+
+    x = torch.randn(3, 4, 8)
+    check_simulated(Block, _plan, (), {"tp": 2}, kwargs={"x": x, "scale": torch.tensor(0.5)},
+                    example_kwargs={"x": torch.randn(1, 1, 8), "scale": torch.tensor(0.5)},
+                    select=lambda o: o["out"], loss_fn=loss, targets=(torch.randn(3, 4, 8),), replicated_loss=True)
+
+
+class NoGradTopK(nn.Module):
+    """A ``torch.no_grad()`` block (exported as a higher-order op) whose outputs are a
+    tensor and a size (``min(k, h.shape[-2])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(8, 16, bias=False)
+        self.w2 = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = self.w1(x)
+        with torch.no_grad():
+            k = min(4, h.shape[-2])
+            idx = h.sum(-1).topk(k, dim=-1).indices
+        y = self.w2(h).sum(-1).gather(-1, idx)
+        return y + y.new_zeros(y.shape[0], k)
+
+
+def test_no_grad_block_is_inlined():
+    plan = lambda mesh: Plan(mesh, {"w1": colwise(), "w2": rowwise()})  # noqa: E731
+    gm = fxshard.trace(NoGradTopK(), plan(MeshSpec(("tp",), (2,))), example_kwargs={"x": torch.randn(2, 8, 8)}, capture="export")
+    assert not any("wrap_with_set_grad_enabled" in str(n.target) for n in gm.graph.nodes)
+    assert torch.is_grad_enabled()
+
+
+def test_input_model_and_grad_mode_untouched():
+    model = Block()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fxshard.transform(model, _plan(), (X,))
+    assert not model._forward_hooks and not model._forward_pre_hooks and not model.up._forward_pre_hooks
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and torch.is_grad_enabled()
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.fc(x).sum() > 0:  # branches on a value: nothing can capture it
+            return x
+        return -x
+
+
+def test_uncapturable_model_is_a_plan_error():
+    with pytest.raises(PlanError, match="torch.export"):
+        fxshard.transform(DataDependent(), Plan(MeshSpec(("tp",), (2,)), {"fc": colwise()}), (X,))
+    with pytest.raises(PlanError, match="capture='export'"):
+        fxshard.trace(Block(), None, (X,), capture="fx")

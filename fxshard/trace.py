@@ -8,7 +8,6 @@ its ``nn_module_stack`` and ``stack_trace`` for regions and error messages.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn as nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .boundary import region_input, region_output
+from .boundary import mark_arguments, mark_outputs, region_input, region_output
 from .errors import PlanError
 
 
@@ -48,29 +47,14 @@ class ShardTracer(fx.Tracer):
         spec = self._spec(fqn)
         if spec is None or not spec.declares_boundary() or self.is_leaf_module(m, fqn):
             return super().call_module(m, forward, args, kwargs)
-        # Bind to the forward's signature so inputs are marked by argument name.
-        sig = inspect.signature(m.forward)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise PlanError(f"module {fqn!r}: cannot bind its call to forward{sig}: {e}") from e
-        for name, value in list(bound.arguments.items()):
-            if isinstance(value, fx.Proxy):
-                bound.arguments[name] = self.create_proxy("call_function", region_input, (value, fqn, name), {})
-        out = super().call_module(m, forward, bound.args, bound.kwargs)
-        return _mark_outputs(self, out, fqn, spec.out_names)
+        # inputs and outputs are marked by argument / output name
+        def mark(marker):
+            def one(v, name):
+                return self.create_proxy("call_function", marker, (v, fqn, name), {}) if isinstance(v, fx.Proxy) else v
+            return one
 
-
-def _mark_outputs(tracer: fx.Tracer, out, fqn: str, out_names):
-    def mark(v, name):
-        return tracer.create_proxy("call_function", region_output, (v, fqn, name), {}) if isinstance(v, fx.Proxy) else v
-
-    if isinstance(out, (tuple, list)):
-        names = out_names or tuple(str(i) for i in range(len(out)))
-        if len(names) != len(out):
-            raise PlanError(f"module {fqn!r}: out_names {tuple(names)} but its forward returns {len(out)} values")
-        return type(out)(mark(v, n) for v, n in zip(out, names))
-    return mark(out, (out_names or ("output",))[0])
+        args, kwargs = mark_arguments(m, fqn, args, kwargs, mark(region_input))
+        return mark_outputs(super().call_module(m, forward, args, kwargs), fqn, spec.out_names, mark(region_output))
 
 
 CAPTURES = ("auto", "fx", "export")

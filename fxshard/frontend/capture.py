@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
-from fxshard.boundary import region_input, region_output
+from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
 from fxshard.module_state import add_missing_state, named_state
@@ -194,31 +194,21 @@ def _boundary_hooks(model: nn.Module, plan):
             h.remove()
 
 
+def _marker(fqn: str, kind: str):
+    def one(value, name):
+        return module_boundary(value, fqn, name, kind) if isinstance(value, torch.Tensor) else value
+    return one
+
+
 def _mark_inputs(fqn: str):
     def hook(module, args, kwargs):
-        sig = inspect.signature(module.forward)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise PlanError(f"module {fqn!r}: cannot bind its call to forward{sig}: {e}") from e
-        for name, value in list(bound.arguments.items()):
-            if isinstance(value, torch.Tensor):
-                bound.arguments[name] = module_boundary(value, fqn, name, "input")
-        return tuple(bound.args), dict(bound.kwargs)
+        return mark_arguments(module, fqn, args, kwargs, _marker(fqn, "input"))
     return hook
 
 
 def _mark_outputs(fqn: str, out_names):
     def hook(module, args, kwargs, out):
-        if isinstance(out, torch.Tensor):
-            return module_boundary(out, fqn, (out_names or ("output",))[0], "output")
-        if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
-            names = out_names or tuple(str(i) for i in range(len(out)))
-            if len(names) != len(out):
-                raise PlanError(f"module {fqn!r}: out_names {tuple(names)} but its forward returns {len(out)} values")
-            return type(out)(module_boundary(v, fqn, n, "output") if isinstance(v, torch.Tensor) else v
-                             for v, n in zip(out, names))
-        return out
+        return mark_outputs(out, fqn, out_names, _marker(fqn, "output"))
     return hook
 
 

@@ -42,6 +42,7 @@ from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
 from fxshard.module_state import add_missing_state, named_state
+from fxshard.passes.cleanup import mutates
 
 
 @torch.library.custom_op("fxshard::module_boundary", mutates_args=())
@@ -66,21 +67,28 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     """
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs)
+    attempts = [(args, kwargs, dynamic_shapes)]
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
         # export specializes dims of size 0 and 1 (a batch of one would be baked into
-        # every view); capture on inputs grown to size 2 there: the shapes fxshard
-        # records come from the real example inputs afterwards.
-        args, kwargs = _grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()}
+        # every view); capture on inputs grown to size 2 there (the shapes fxshard
+        # records come from the real example inputs afterwards), and on the inputs as
+        # given only if the model cannot run on the grown ones.
+        grown = (_grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()})
+        attempts = [(*grown, dynamic_shapes), (args, kwargs, dynamic_shapes)]
     with _boundary_hooks(model, plan), _training_config(model), torch.fx.experimental._config.patch(use_duck_shape=False):
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-        except PlanError:
-            raise
-        except Exception as e:
-            raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(e).__name__}: "
-                            f"{_first_line(e)}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
-                            f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
+        for i, (a, kw, dyn) in enumerate(attempts):
+            try:
+                ep = torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn)
+                break
+            except PlanError:
+                raise
+            except Exception as e:
+                if i + 1 < len(attempts):
+                    continue
+                raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(e).__name__}: "
+                                f"{_first_line(e)}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
+                                f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
     gm = ep.module()
     _every_fqn(gm, model)
     _drop_guards(gm)
@@ -88,7 +96,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     _markers_from_boundaries(gm)
     translate_aten(gm)
     _module_stack_types(gm, model)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=mutates)  # in-place writes have no users
     gm.recompile()
     gm.meta["captured_by"] = "torch.export"
     gm.meta["model_class"] = type(model).__name__

@@ -272,7 +272,10 @@ class Plan:
             v = getattr(spec, field_name)
             if v is None:
                 continue
-            items = v.items() if isinstance(v, Mapping) and not _is_layout(v) else (
+            if isinstance(v, Mapping) and any(k in self.axes for k in v) and not _is_layout(v, self.axes):
+                raise PlanError(f"plan entry {pattern!r} {field_name}={_fmt(v)} mixes mesh axes and argument/output names; "
+                                f"write one layout {{axis: Placement}}, or layouts by name {{name: {{axis: Placement}}}}")
+            items = v.items() if isinstance(v, Mapping) and not _is_layout(v, self.axes) else (
                 enumerate(v) if isinstance(v, (tuple, list)) else [(None, v)])
             for key, layout in items:
                 if layout is not None:
@@ -406,5 +409,8 @@ class Plan:
         return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs)
 
 
-def _is_layout(v) -> bool:
-    return isinstance(v, Mapping) and all(isinstance(p, Placement) for p in v.values())
+def _is_layout(v, axes: Mapping[str, int]) -> bool:
+    """Is ``v`` one layout (``{axis: Placement}``) rather than layouts by argument or
+    output name?  ``{"input": Replicate()}`` on a ``("tp",)`` mesh is by name: its key
+    is not a mesh axis."""
+    return isinstance(v, Mapping) and bool(v) and all(isinstance(p, Placement) for p in v.values()) and all(k in axes for k in v)

@@ -140,6 +140,10 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
             if partial:
                 if shard_dims:
                     raise ctx.fail(f"elementwise {ctx.node.target} mixes Partial and Shard inputs on axis {axis!r}", reduce_fix(axis))
+                ops = sorted({ti.layout[axis].reduce_op for _, ti in partial})
+                if len(ops) > 1:  # a sum of shares plus a mean of shares is neither reduced afterwards
+                    raise ctx.fail(f"{_name(ctx.node)} combines Partial values that reduce differently ({', '.join(ops)}) "
+                                   f"on axis {axis!r}", reduce_fix(axis))
                 ok = (kind == "unary" and len(tensors) == 1) or (
                     kind == "add" and not reps and not any(scalars)) or (
                     kind == "mul" and len(partial) == 1) or (

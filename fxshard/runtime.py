@@ -12,7 +12,7 @@ scale replicated gradients by the group size:
 ==============================  ==================  ==========================
 op                              forward             backward
 ==============================  ==================  ==========================
-``all_reduce``   P -> R         all-reduce (sum)    identity
+``all_reduce``   P -> R         all-reduce          identity (1/n for avg)
 ``reduce_scatter`` P -> S(d)    reduce-scatter      all-gather
 ``all_gather``   S(d) -> R      all-gather          local chunk (grad R) or
                                                     reduce-scatter (grad P)
@@ -221,23 +221,29 @@ def _raw_all_to_all(x: torch.Tensor, src: int, dst: int, ax: _Axis) -> torch.Ten
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ax):
-        return _raw_all_reduce(x, ax)
+    def forward(ctx, x, ax, op):
+        ctx.scale = 1.0 / ax.size if op == "avg" else None
+        y = _raw_all_reduce(x, ax)
+        return y if ctx.scale is None else y * ctx.scale  # gloo has no AVG: sum, then scale
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        # avg: each rank's share entered the mean with weight 1/n
+        return (g if ctx.scale is None else g * ctx.scale), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ax, dim):
+    def forward(ctx, x, ax, dim, op):
         ctx.ax, ctx.dim = ax, dim
-        return _raw_reduce_scatter(x, dim, ax)
+        ctx.scale = 1.0 / ax.size if op == "avg" else None
+        y = _raw_reduce_scatter(x, dim, ax)
+        return y if ctx.scale is None else y * ctx.scale
 
     @staticmethod
     def backward(ctx, g):
-        return _raw_all_gather(g, ctx.dim, ctx.ax), None, None
+        gx = _raw_all_gather(g, ctx.dim, ctx.ax)
+        return (gx if ctx.scale is None else gx * ctx.scale), None, None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -291,31 +297,42 @@ class _GradSync(torch.autograd.Function):
 # --------------------------------------------------------------------------- public ops
 
 
-def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+def _check_op(op: str, name: str) -> None:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"fxshard.{name}: op must be 'sum' or 'avg' (the reduction of a Partial value), got {op!r}")
+
+
+def all_reduce(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
     """``Partial -> Replicate`` on ``axis``.
 
-    Forward: all-reduce (sum) over the axis.  Backward: identity, no communication
-    (the incoming gradient is already replicated).
+    Forward: all-reduce over the axis, a sum (``op="sum"``) or a mean (``op="avg"``,
+    for ``Partial("avg")``, e.g. a mean over a sharded dim).  Backward: no
+    communication: the incoming gradient is already replicated (scaled by ``1/n``
+    for a mean, the weight each rank's share had).
+
+    Example: ``y = fxshard.all_reduce(x, "tp")``
     """
+    _check_op(op, "all_reduce")
     ax = _comm_axis(axis, "all_reduce")
     if ax.size == 1:
         return x
-    return _AllReduce.apply(x, ax)
+    return _AllReduce.apply(x, ax, op)
 
 
-def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int, op: str = "sum") -> torch.Tensor:
     """``Partial -> Shard(dim)`` on ``axis``.
 
-    Forward: reduce-scatter (sum) along ``dim``; rank ``i`` keeps chunk ``i``.
-    ``x.size(dim)`` must be divisible by the axis size.  Backward: all-gather of the
-    gradient along ``dim``.
+    Forward: reduce-scatter (``op="sum"`` or ``"avg"``) along ``dim``; rank ``i`` keeps
+    chunk ``i``.  ``x.size(dim)`` must be divisible by the axis size.  Backward:
+    all-gather of the gradient along ``dim`` (scaled by ``1/n`` for ``"avg"``).
     """
+    _check_op(op, "reduce_scatter")
     ax = _comm_axis(axis, "reduce_scatter")
     dim = _norm_dim(x, dim, "reduce_scatter")
     _check_divisible(x, dim, ax, "reduce_scatter")
     if ax.size == 1:
         return x
-    return _ReduceScatter.apply(x, ax, dim)
+    return _ReduceScatter.apply(x, ax, dim, op)
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate") -> torch.Tensor:

@@ -53,8 +53,13 @@ class ShardTracer(fx.Tracer):
                 return self.create_proxy("call_function", marker, (v, fqn, name), {}) if isinstance(v, fx.Proxy) else v
             return one
 
-        args, kwargs = mark_arguments(m, fqn, args, kwargs, mark(region_input))
-        return mark_outputs(super().call_module(m, forward, args, kwargs), fqn, spec.out_names, mark(region_output))
+        def marked_forward(*args, **kwargs):
+            # inside the module's scope, so the markers' nn_module_stack names the module
+            # (and its type) even when it has no op of its own
+            args, kwargs = mark_arguments(m, fqn, args, kwargs, mark(region_input))
+            return mark_outputs(forward(*args, **kwargs), fqn, spec.out_names, mark(region_output))
+
+        return super().call_module(m, marked_forward, args, kwargs)
 
 
 CAPTURES = ("auto", "fx", "export")

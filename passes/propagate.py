@@ -131,11 +131,29 @@ def _tensor(node, layout, axes, requires_grad, what) -> TensorInfo | None:
     layout = normalize(layout, val.dim(), what)
     try:
         local = local_shape(val.shape, layout, axes)
-    except ValueError as e:
-        axis = next(a for a, p in layout.items() if isinstance(p, Shard) and val.shape[p.dim] % axes[a])
-        raise node_error(node, f"{what}: {e}",
-                         f"make dim {layout[axis].dim} a multiple of {axes[axis]}, shard another dim, or use a smaller {axis!r} axis") from None
+    except ValueError:
+        raise _not_dividing(node, val.shape, layout, axes, what) from None
     return TensorInfo(layout, tuple(val.shape), local, val.dtype, requires_grad)
+
+
+def _not_dividing(node, shape, layout, axes, what):
+    """PlanError for a sharded dim that its axes do not divide (together: a dim sharded
+    over ``dp`` and ``tp`` needs a multiple of ``dp * tp``)."""
+    for d in range(len(shape)):
+        over = [a for a, p in layout.items() if isinstance(p, Shard) and p.dim == d]
+        n = 1
+        for a in over:
+            n *= axes[a]
+        if over and shape[d] % n:
+            if len(over) == 1:
+                problem = f"dim {d} of size {shape[d]} is not divisible by the size {n} of axis {over[0]!r}"
+                fix = f"make dim {d} a multiple of {n}, shard another dim, or use a smaller {over[0]!r} axis"
+            else:
+                problem = (f"dim {d} of size {shape[d]} is sharded over axes {over}, whose sizes together ({n}) "
+                           f"do not divide it")
+                fix = f"make dim {d} a multiple of {n}, shard it over one of {over} only, or use smaller axes"
+            return node_error(node, f"{what}: {problem}", fix)
+    raise AssertionError("every sharded dim divides")  # only called when local_shape failed
 
 
 def _wrap(node, value, axes, requires_grad):
@@ -155,8 +173,8 @@ def _tensor_from(val, layout, node, axes, requires_grad):
         return None  # a non-tensor item of a tuple result (a local region's int or None output): no layout
     try:
         return TensorInfo(layout, tuple(val.shape), local_shape(val.shape, layout, axes), val.dtype, requires_grad)
-    except ValueError as e:
-        raise node_error(node, str(e), "choose sizes the axis divides") from None
+    except ValueError:
+        raise _not_dividing(node, val.shape, layout, axes, f"result of `{node.name}`") from None
 
 
 def _inputs_require_grad(node) -> bool:
@@ -291,7 +309,7 @@ def _check_transition(node, src, dst, where):
         if isinstance(d, Partial):
             raise node_error(node, f"{where}: the plan asks to turn {s} into Partial on axis {axis!r}",
                              "Partial is produced by ops (a row-parallel linear), never by redistribution; declare Replicate or Shard")
-        if isinstance(s, Partial) and s.reduce_op != "sum":
+        if isinstance(s, Partial) and s.reduce_op not in ("sum", "avg"):
             raise node_error(node, f"{where}: reducing a Partial({s.reduce_op}) value on axis {axis!r} is not supported",
                              "reduce it where it is produced, or return it as is")
 

@@ -1,9 +1,9 @@
 """redistribute: every declared layout change becomes explicit collective nodes.
 
 Each boundary marker with ``.redistribute = (src, dst)`` is replaced by one
-collective per mesh axis that changes (multi-axis changes are decomposed one axis at
-a time: reductions and gathers from the innermost axis out, then local slices, then
-all-to-alls).  The same change of the same value is emitted once (q, k and v
+collective per mesh axis that changes, one axis at a time in the order that keeps a
+dim sharded over several axes exact (see ``_steps``: undo from the innermost axis out,
+redo from the outermost axis in).  The same change of the same value is emitted once (q, k and v
 declared ``colwise(inputs=Shard(1))`` share one all-gather).  Markers without a
 change simply disappear.  The collectives are
 fxshard's runtime ops, called with the axis *name*, so the code reads the same on
@@ -13,6 +13,7 @@ every rank:
 change (one axis)      forward                      backward
 =====================  ===========================  =====================
 Partial -> Replicate   ``all_reduce(x, "tp")``      identity
+P(avg) -> Replicate    ``all_reduce(x, "tp", "avg")`` scale by 1/n
 Partial -> Shard(d)    ``reduce_scatter(x, "tp", d)`` all-gather
 Shard(d) -> Replicate  ``all_gather(x, "tp", d)``   local chunk (or reduce-scatter, see grad_sync)
 Replicate -> Shard(d)  ``shard(x, "tp", d)``        all-gather
@@ -34,19 +35,72 @@ from fxshard.meta import Collective, TensorInfo, info
 
 
 def _steps(src: dict, dst: dict) -> list[tuple[str, object, object]]:
-    """Order of per-axis changes: reduce/gather (inner axes first), slice, all-to-all."""
-    changed = [a for a in src if src[a] != dst[a]]
-    first = [a for a in reversed(changed) if isinstance(src[a], Partial) or isinstance(dst[a], Replicate)]
-    slices = [a for a in changed if isinstance(src[a], Replicate)]
-    a2a = [a for a in changed if isinstance(src[a], Shard) and isinstance(dst[a], Shard)]
-    return [(a, src[a], dst[a]) for a in first + slices + a2a]
+    """The per-axis changes that turn ``src`` into ``dst``, in an order that is exact
+    when one tensor dim is sharded over several axes.
+
+    A dim sharded over several axes is chunked in mesh order (outer axis first, as
+    DTensor does): on a ``(dp, tp)`` mesh ``{dp: S(0), tp: S(0)}`` puts chunk
+    ``2 * i + j`` of 4 on rank ``(i, j)``.  So a gather over an axis is exact only while
+    that axis is the innermost one sharding the dim, and a slice only appends an axis
+    after every axis that already shards the dim.  An axis keeps its placement when it
+    is unchanged and every outer axis sharding the same dim (before or after) keeps
+    its own; the others are undone from the innermost axis out (reductions, gathers,
+    and all-to-alls where the target dim nests right), then the remaining slices and
+    reduce-scatters are done from the outer axis in.
+    """
+    axes = list(src)
+
+    def on(layout: dict, dim: int, among) -> list[str]:
+        return [a for a in among if isinstance(layout[a], Shard) and layout[a].dim == dim]
+
+    kept: set[str] = set()
+    for i, a in enumerate(axes):
+        if src[a] != dst[a]:
+            continue
+        if isinstance(src[a], Shard):
+            d = src[a].dim
+            outer = set(on(src, d, axes[:i])) | set(on(dst, d, axes[:i]))
+            if not outer <= kept:
+                continue
+        kept.add(a)
+
+    cur, steps = dict(src), []
+
+    def step(a, p):
+        steps.append((a, cur[a], p))
+        cur[a] = p
+
+    for i in reversed(range(len(axes))):  # undo, innermost axis first
+        a = axes[i]
+        if a in kept:
+            continue
+        s, d = cur[a], dst[a]
+        if isinstance(s, Partial) and isinstance(d, Replicate):
+            step(a, d)
+        elif isinstance(s, Shard):
+            others = [b for b in on(cur, d.dim, axes) if b != a] if isinstance(d, Shard) else None
+            if (isinstance(d, Shard) and d.dim != s.dim and set(others) <= kept
+                    and others == on(dst, d.dim, axes[:i])):
+                step(a, d)  # all-to-all: lands innermost on its target dim, where it belongs
+            else:
+                step(a, Replicate())
+    for a in axes:  # redo, outermost axis first: slices and reduce-scatters nest in mesh order
+        if cur[a] != dst[a]:
+            step(a, dst[a])
+    return steps
 
 
 def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d):
-    if isinstance(s, Partial) and isinstance(d, Replicate):
-        return graph.call_function(runtime.all_reduce, (x, axis)), Collective("all_reduce", axis, "all-reduce", "identity")
-    if isinstance(s, Partial) and isinstance(d, Shard):
-        return graph.call_function(runtime.reduce_scatter, (x, axis, d.dim)), Collective("reduce_scatter", axis, "reduce-scatter", "all-gather")
+    if isinstance(s, Partial):
+        avg = s.reduce_op == "avg"  # propagate admits sum and avg only
+        if isinstance(d, Replicate):
+            args = (x, axis, "avg") if avg else (x, axis)
+            return graph.call_function(runtime.all_reduce, args), Collective(
+                "all_reduce", axis, "all-reduce (avg)" if avg else "all-reduce", "scale by 1/n" if avg else "identity")
+        if isinstance(d, Shard):
+            args = (x, axis, d.dim, "avg") if avg else (x, axis, d.dim)
+            return graph.call_function(runtime.reduce_scatter, args), Collective(
+                "reduce_scatter", axis, "reduce-scatter (avg)" if avg else "reduce-scatter", "all-gather, 1/n" if avg else "all-gather")
     if isinstance(s, Shard) and isinstance(d, Replicate):
         return graph.call_function(runtime.all_gather, (x, axis, s.dim)), Collective("all_gather", axis, "all-gather", "local chunk")
     if isinstance(s, Replicate) and isinstance(d, Shard):

@@ -39,17 +39,17 @@ def module_types(gm: fx.GraphModule) -> dict[str, type]:
     for name, mod in gm.named_modules():
         if name and type(mod) is not torch.nn.Module:  # plain Modules are fx's path holders
             types.setdefault(name, type(mod))
-    for node in gm.graph.nodes:  # functional calls: fqn of the parameter owner
-        if node.op == "get_attr" and "." in node.target:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "." in node.target:  # functional calls: fqn of the parameter owner
             types.setdefault(node.target.rsplit(".", 1)[0], torch.nn.Module)
     return types
 
 
-def _pick(value, name: str, position: int | None, first: bool):
+def _pick(value, name: str, position: int | None, first: bool, axes):
     """Select the entry of a spec field (``inputs``/``out_src``...) for one argument."""
     if value is None:
         return None
-    if isinstance(value, Placement) or _is_layout(value):
+    if isinstance(value, Placement) or _is_layout(value, axes):
         return value if first else None
     if isinstance(value, Mapping):
         return value.get(name)
@@ -142,7 +142,7 @@ def _local_region(gm, node, specs, declared_params, axes) -> LocalRegion:
     if isinstance(val, (tuple, list)):
         outs = _region_outs(spec, val, where, axes)
     else:
-        outs = _named_axes(_pick(spec.out_src, names[0], 0, True), axes, f"{where} out_src")
+        outs = _named_axes(_pick(spec.out_src, names[0], 0, True, axes), axes, f"{where} out_src")
     return LocalRegion(fqn, pattern, outs, params, owners, spec.compute, spec if hasattr(spec, "region_layouts") else None, spec.style)
 
 
@@ -158,7 +158,7 @@ def _region_outs(spec, val, where: str, axes) -> tuple[dict, ...]:
         raise PlanError(f"{where}: out_names {tuple(names)} name {len(names)} outputs, but the module returns {len(val)}; "
                         f"give one name per output")
     out_src = spec.out_src
-    bare = isinstance(out_src, Placement) or _is_layout(out_src)
+    bare = isinstance(out_src, Placement) or _is_layout(out_src, axes)
     if isinstance(out_src, (tuple, list)) and len(out_src) > len(val):
         raise PlanError(f"{where}: out_src has {len(out_src)} layouts, but the module returns {len(val)} outputs {list(names)}; "
                         f"give one layout per output")
@@ -169,7 +169,7 @@ def _region_outs(spec, val, where: str, axes) -> tuple[dict, ...]:
                             f"fix the names (or set out_names=)")
     outs = []
     for i, (n, v) in enumerate(zip(names, val)):
-        layout = out_src if bare else _pick(out_src, n, i, i == 0)
+        layout = out_src if bare else _pick(out_src, n, i, i == 0, axes)
         if layout is None:
             if not isinstance(v, torch.Tensor):
                 outs.append({})  # not a tensor: nothing to lay out
@@ -195,18 +195,19 @@ def _boundary(node, fqn, name, pattern_spec, mtype, axes) -> Boundary:
     where = f"plan entry {pattern!r} (module {fqn!r})"
     if node.target is region_input:
         params = _forward_params(mtype)
+        _check_argument_names(spec, params, mtype, where, axes)
         position = params.index(name) if name in params else None
         first = position == 0 or (position is None and params == [])
         lay = lambda v, what: None if v is None else _named_axes(v, axes, f"{where} {what}[{name!r}]")
         return Boundary(fqn, name, "input",
-                        required=lay(_pick(spec.inputs, name, position, first), "inputs"),
-                        expected=lay(_pick(spec.in_src, name, position, first), "in_src"))
+                        required=lay(_pick(spec.inputs, name, position, first, axes), "inputs"),
+                        expected=lay(_pick(spec.in_src, name, position, first, axes), "in_src"))
     position = int(name) if name.isdigit() else (spec.out_names.index(name) if spec.out_names and name in spec.out_names else 0)
     first = position == 0
     lay = lambda v, what: None if v is None else _named_axes(v, axes, f"{where} {what}[{name!r}]")
     return Boundary(fqn, name, "output",
-                    src=lay(_pick(spec.out_src, name, position, first), "out_src"),
-                    dst=lay(_pick(spec.out_dst, name, position, first), "out_dst"))
+                    src=lay(_pick(spec.out_src, name, position, first, axes), "out_src"),
+                    dst=lay(_pick(spec.out_dst, name, position, first, axes), "out_dst"))
 
 
 def _named_axes(layout, axes, where: str) -> dict:
@@ -216,6 +217,29 @@ def _named_axes(layout, axes, where: str) -> dict:
     full = complete(layout, axes, where)
     named = set(axes) if isinstance(layout, Placement) else set(layout)
     return {a: p for a, p in full.items() if a in named}
+
+
+def _check_argument_names(spec, params: list[str], mtype, where: str, axes) -> None:
+    """Layouts by argument name must name arguments of the module's forward: a name
+    that is neither an argument nor a mesh axis would be silently ignored."""
+    if not params or _takes_any_keyword(mtype):
+        return
+    for field_name in ("inputs", "in_src"):
+        v = getattr(spec, field_name)
+        if isinstance(v, Mapping) and not _is_layout(v, axes):
+            unknown = [k for k in v if k not in params]
+            if unknown:
+                raise PlanError(f"{where}: {field_name} names {unknown}, which are neither arguments of "
+                                f"{mtype.__name__}.forward {params} nor mesh axes {list(axes)}; fix the names "
+                                f"(by argument: {{{params[0]!r}: Replicate()}}; one layout: {{{next(iter(axes))!r}: Replicate()}})")
+
+
+def _takes_any_keyword(mtype) -> bool:
+    try:
+        sig = inspect.signature(mtype.forward)
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
 
 
 def _forward_params(mtype) -> list[str]:
@@ -268,6 +292,13 @@ def _check_boundaries_marked(gm, specs) -> None:
     called = {q for n in gm.graph.nodes for q, _ in (n.meta.get("nn_module_stack") or {}).values()}
     called |= {n.target for n in gm.graph.nodes if n.op == "call_module"}
     for fqn, (pattern, spec) in specs.items():
+        if spec.declares_boundary() and not spec.local and fqn not in called and fqn not in marked:
+            users = sorted({u.name for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith(fqn + ".")
+                            for u in n.users})
+            raise PlanError(f"plan entry {pattern!r} declares the inputs/outputs of module {fqn!r}, but the model never "
+                            f"calls it: its parameters are used directly (by {', '.join(f'`{u}`' for u in users)}), so "
+                            f"those layouts would not apply. Declare only params= for it and give the layouts on the "
+                            f"module that makes the call (ModuleSpec(params=..., out_dst=...)), or call the module")
         if spec.declares_boundary() and not spec.local and fqn in called and fqn not in marked:
             raise PlanError(f"plan entry {pattern!r} declares the inputs/outputs of module {fqn!r}, but the graph has no "
                             f"boundary for them (plain torch.fx.symbolic_trace does not mark module boundaries); trace the "

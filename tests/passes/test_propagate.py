@@ -274,3 +274,26 @@ def test_copy_of_a_sharded_value_into_a_replicated_buffer_is_refused():
 
     with pytest.raises(PlanError, match="copies a S\\(2\\) value into a R one"):
         transform(SliceAssignMismatch(), Plan(MeshSpec(("tp",), (2,)), {"up": colwise(), "down": rowwise()}), (torch.randn(2, 3, 8),))
+
+
+def test_dim_sharded_over_two_axes_that_divide_it_only_one_at_a_time():
+    """Regression (issue 15 fuzz): dim 0 of 6 divides dp=2 and tp=2 but not their
+    product; this was a StopIteration reported as an internal error."""
+    model = nn.Sequential(nn.Linear(4, 6))
+    plan = Plan(MeshSpec(("dp", "tp"), (2, 2)), {"0": fxshard.ModuleSpec(params={"weight": {"dp": Shard(0), "tp": Shard(0)}})})
+    with pytest.raises(PlanError, match=r"dim 0 of size 6 is sharded over axes \['dp', 'tp'\], whose sizes together \(4\)") as e:
+        fxshard.transform(model, plan, example_inputs=(torch.randn(2, 4),))
+    assert "internal error" not in str(e.value)
+
+
+class _SumPlusMean(nn.Module):
+    def forward(self, x):
+        return x.sum(-1) + x.mean(-1)
+
+
+def test_partial_sum_plus_partial_avg_is_refused():
+    """Found in issue 15: a Partial(sum) plus a Partial(avg) took the layout of the
+    first operand, so the all-reduce after it summed the mean's shares too."""
+    plan = Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}})
+    with pytest.raises(PlanError, match=r"combines Partial values that reduce differently \(avg, sum\)"):
+        fxshard.transform(_SumPlusMean(), plan, example_inputs=(torch.randn(2, 4),))

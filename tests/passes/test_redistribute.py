@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan, colwise, rowwise, runtime
 from fxshard.boundary import is_marker
 from fxshard.meta import KEY
@@ -81,3 +82,30 @@ def test_unchanged_boundaries_leave_no_node(before_pass, after_pass):
     changing = [n for n in markers if n.meta[KEY].redistribute is not None]
     assert len(markers) == 4 and len(changing) == 1
     assert len(after.graph.nodes) == len(before.graph.nodes) - len(markers) + len(changing)
+
+
+class _MeanPool(torch.nn.Module):
+    def forward(self, h):
+        return h.mean(-1)
+
+
+class _PoolHead(torch.nn.Module):
+    """A column-parallel projection, then a mean over its sharded features (Partial("avg"))."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 16)
+        self.pool = _MeanPool()
+
+    def forward(self, x):
+        return self.pool(self.proj(x))
+
+
+def test_partial_avg_is_all_reduced_as_a_mean():
+    """A mean over a sharded dim is Partial("avg"): ``all_reduce(x, "tp", "avg")``, whose
+    backward scales by 1/n (the weight each rank's share had in the mean)."""
+    specs = {"proj": colwise(out=Shard(-1)), "pool": ModuleSpec(inputs={"tp": Shard(-1)}, out_dst={"tp": R})}
+    gm = fxshard.transform(_PoolHead(), Plan(MeshSpec(("tp",), (2,)), specs), example_inputs=(X,))
+    assert _collectives(gm) == [(runtime.all_reduce, ("tp", "avg"))]
+    check_simulated(_PoolHead, lambda mesh: Plan(mesh, specs), (X,), {"tp": 2}, lr=0.2)
+    check_simulated(_PoolHead, lambda mesh: Plan(mesh, specs), (X,), {"tp": 4}, lr=0.2)

@@ -1,8 +1,13 @@
 """regions: the plan attached to the graph (regions, declared layouts, boundaries)."""
 from __future__ import annotations
 
+import pytest
+import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+import fxshard
+from fxshard import runtime
 
 from fxshard import MeshSpec, Plan
 from fxshard.boundary import region_input, region_output
@@ -59,3 +64,78 @@ def test_region_is_the_innermost_planned_module(after_pass):
     sdpa = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
     assert sdpa.meta[KEY].region is None  # attention itself is not planned
     assert _by_target(gm, "layers.0.attention.wq.weight").meta[KEY].region == "layers.0.attention.wq"
+
+
+class _Takes(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class _TakesInLayout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Takes()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def test_module_without_ops_of_its_own_keeps_its_boundary():
+    """Regression (issue 15): a planned module that only returns its input left no node
+    in its own scope, so its plan entry "matched no module"; its markers now sit in
+    its scope and its ``inputs=`` is honoured."""
+    from torch.distributed.tensor import Shard
+    from fxshard import runtime
+
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"inner": fxshard.ModuleSpec(inputs={"tp": Shard(0)})})
+    gm = fxshard.transform(_TakesInLayout(), plan, example_inputs=(torch.randn(4, 2),))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][0] is runtime.shard
+
+
+def test_inputs_by_argument_name_with_bare_placements():
+    """Regression (issue 15): ``inputs={"input": Replicate()}`` names nn.Linear's
+    argument ``input``; it was read as a layout on a mesh axis named "input"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    mesh = fxshard.MeshSpec(("tp",), (2,))
+    by_name = fxshard.Plan(mesh, {"0": fxshard.ModuleSpec(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}},
+                                                          inputs={"input": Replicate()}, out_src={"tp": Shard(-1)},
+                                                          out_dst={"tp": Replicate()})},
+                           inputs={"input": {"tp": Shard(1)}})
+    gm = fxshard.transform(model, by_name, example_inputs=(torch.randn(2, 4),))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][:1] == [runtime.all_gather]
+
+
+def test_inputs_naming_no_argument_and_no_axis():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"0": fxshard.ModuleSpec(inputs={"x": Replicate()})})
+    with pytest.raises(fxshard.PlanError, match=r"inputs names \['x'\], which are neither arguments of Linear.forward \['input'\] nor mesh axes \['tp'\]"):
+        fxshard.transform(model, plan, example_inputs=(torch.randn(2, 4),))
+
+
+def test_inputs_mixing_axes_and_names():
+    with pytest.raises(fxshard.PlanError, match="mixes mesh axes and argument/output names"):
+        fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"0": fxshard.ModuleSpec(inputs={"tp": Replicate(), "x": Shard(0)})})
+
+
+class _Functional(torch.nn.Module):
+    """Uses its child's weight directly, never calling the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 8, bias=False)
+
+    def forward(self, x):
+        return F.linear(x, self.proj.weight)
+
+
+def test_boundaries_of_a_module_that_is_never_called():
+    """Regression (issue 15): ``F.linear(x, self.proj.weight)`` with ``"proj": colwise()``
+    sharded the weight and silently dropped ``out=Replicate()``: the output came back
+    Shard(-1)."""
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"proj": fxshard.colwise(out=Replicate())})
+    with pytest.raises(fxshard.PlanError, match=r"never calls it: its parameters are used directly \(by `linear`\)"):
+        fxshard.transform(_Functional(), plan, example_inputs=(torch.randn(2, 4),))
+    params_only = fxshard.Plan(plan.mesh, {"proj": fxshard.ModuleSpec(params={"weight": {"tp": Shard(0)}})})
+    gm = fxshard.transform(_Functional(), params_only, example_inputs=(torch.randn(2, 4),))
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    assert out.args[0].meta[KEY].value.layout == {"tp": Shard(1)}

@@ -413,4 +413,4 @@ def _is_layout(v, axes: Mapping[str, int]) -> bool:
     """Is ``v`` one layout (``{axis: Placement}``) rather than layouts by argument or
     output name?  ``{"input": Replicate()}`` on a ``("tp",)`` mesh is by name: its key
     is not a mesh axis."""
-    return isinstance(v, Mapping) and bool(v) and all(isinstance(p, Placement) for p in v.values()) and all(k in axes for k in v)
+    return isinstance(v, Mapping) and all(isinstance(p, Placement) for p in v.values()) and all(k in axes for k in v)

@@ -292,9 +292,9 @@ def _check_boundaries_marked(gm, specs) -> None:
     called = {q for n in gm.graph.nodes for q, _ in (n.meta.get("nn_module_stack") or {}).values()}
     called |= {n.target for n in gm.graph.nodes if n.op == "call_module"}
     for fqn, (pattern, spec) in specs.items():
-        if spec.declares_boundary() and not spec.local and fqn not in called and fqn not in marked:
-            users = sorted({u.name for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith(fqn + ".")
-                            for u in n.users})
+        users = sorted({u.name for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith(fqn + ".")
+                        for u in n.users})
+        if spec.declares_boundary() and not spec.local and fqn not in called and fqn not in marked and users:
             raise PlanError(f"plan entry {pattern!r} declares the inputs/outputs of module {fqn!r}, but the model never "
                             f"calls it: its parameters are used directly (by {', '.join(f'`{u}`' for u in users)}), so "
                             f"those layouts would not apply. Declare only params= for it and give the layouts on the "

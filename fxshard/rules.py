@@ -360,7 +360,7 @@ def matmul(ctx: Ctx):
             return R
         if isinstance(pa, Partial) or isinstance(pb, Partial):
             if isinstance(pa, Partial) and isinstance(pb, Replicate) or isinstance(pb, Partial) and isinstance(pa, Replicate):
-                return Partial()
+                return pa if isinstance(pa, Partial) else pb  # bilinear: the Partial's kind (sum or avg) carries over
             raise ctx.fail(f"matmul of {fmt_placement(pa)} and {fmt_placement(pb)} on axis {axis!r}", reduce_fix(axis))
         da = out_dim_a(pa.dim) if isinstance(pa, Shard) else "R"
         db = out_dim_b(pb.dim) if isinstance(pb, Shard) else "R"
@@ -379,6 +379,24 @@ def matmul(ctx: Ctx):
                 if is_batch and ti.shape[td] != 1:
                     raise ctx.fail(f"the {name} operand is Replicate but full-size on batch dim {d} sharded on {axis!r}", "shard both operands on that dim")
         return Shard(d)
+
+    return _layout_map(ctx, one)
+
+
+def outer(ctx: Ctx):
+    """``torch.outer(a, b)``: ``a`` runs along dim 0 of the result, ``b`` along dim 1;
+    bilinear, so one Partial operand with the other Replicate stays Partial."""
+    a, b = ctx.t(0), ctx.t(1)
+
+    def one(axis):
+        pa, pb = a.layout[axis], b.layout[axis]
+        if isinstance(pa, Replicate) and isinstance(pb, Replicate):
+            return R
+        if isinstance(pa, Replicate) or isinstance(pb, Replicate):
+            p, d = (pb, 1) if isinstance(pa, Replicate) else (pa, 0)
+            return Shard(d) if isinstance(p, Shard) else p
+        raise ctx.fail(f"outer of {fmt_placement(pa)} and {fmt_placement(pb)} on axis {axis!r}: only one operand may be "
+                       f"sharded or Partial", "make one operand Replicate")
 
     return _layout_map(ctx, one)
 
@@ -409,12 +427,29 @@ def sdpa(ctx: Ctx):
             md = p.dim - (nd - len(mask.shape))
             if isinstance(mp, Replicate) and md >= 0 and mask.shape[md] != 1:
                 raise ctx.fail(f"attention mask is Replicate but full-size on dim {p.dim} sharded on {axis!r}", "shard the mask like q/k/v or broadcast it on that dim")
+            if not isinstance(mp, Replicate) and (mp != Shard(md) or mask.shape[md] != q.shape[p.dim]):
+                raise ctx.fail(f"attention mask is {fmt_placement(mp)} on {axis!r} but q/k/v are sharded on dim {p.dim}: each "
+                               f"rank would apply a mask that is not its own", "shard the mask on the dim q/k/v are sharded on, or keep it Replicate")
         return p
 
     return _layout_map(ctx, one)
 
 
 # ----------------------------------------------------------------------------- reductions, norms
+
+def _traced_int(ctx: Ctx, d):
+    """A dim argument computed while tracing (``x.ndim - 1``): its value, which must be
+    the same on every rank (the rank of a tensor always is)."""
+    if isinstance(d, (tuple, list)):
+        return type(d)(_traced_int(ctx, x) for x in d)
+    if not isinstance(d, fx.Node):
+        return d
+    v = ctx.info_of(d)
+    if isinstance(v, SizeInfo) and v.axes == frozenset() and isinstance(v.value, int):
+        return v.value
+    raise ctx.fail(f"the dim `{d.name}` is computed at run time from {_sharded_source(d)}, so ranks may see different values",
+                   "pass the dim as a literal")
+
 
 def _dims(d, nd) -> list[int]:
     if d is None:
@@ -430,7 +465,7 @@ def reduction(kind: str):
     def rule(ctx: Ctx):
         x = ctx.t(0)
         nd = len(x.shape)
-        dims = _dims(ctx.arg(1, "dim"), nd)
+        dims = _dims(_traced_int(ctx, ctx.arg(1, "dim")), nd)
         keep = ctx.arg(2, "keepdim", ctx.node.kwargs.get("keepdim", False))
 
         def one(axis):
@@ -449,7 +484,10 @@ def reduction(kind: str):
                 return Shard(p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim))
             return R
 
-        return _layout_map(ctx, one)
+        out = _layout_map(ctx, one)
+        if isinstance(ctx.val, (tuple, list)):  # x.max(dim) -> (values, indices), laid out alike
+            return [out, dict(out)]
+        return out
 
     rule.__name__ = f"reduction ({kind})"
     return rule
@@ -459,7 +497,7 @@ def softmax(log: bool):
     def rule(ctx: Ctx):
         x = ctx.t(0)
         nd = len(x.shape)
-        d = ctx.arg(1, "dim")
+        d = _traced_int(ctx, ctx.arg(1, "dim"))
         d = d + nd if d < 0 else d
 
         def one(axis):
@@ -480,7 +518,7 @@ def softmax(log: bool):
     return rule
 
 
-def norm(weight_positions: tuple[int, ...]):
+def norm(weight_positions: tuple[tuple[int, str], ...]):
     """layer_norm / rms_norm: the normalized (trailing) dims must not be sharded."""
 
     def rule(ctx: Ctx):
@@ -494,7 +532,7 @@ def norm(weight_positions: tuple[int, ...]):
             raise ctx.fail(f"cannot tell how many dims this norm normalizes (normalized_shape is {shape!r})",
                            "pass normalized_shape as ints or as a tensor's .shape")
         k = 1 if isinstance(shape, int) else len(shape)
-        weights = [(ctx.arg(i), ctx.t(i)) for i in weight_positions if ctx.t(i) is not None]
+        weights = [(ctx.arg(i, name), ctx.t(i, name)) for i, name in weight_positions if ctx.t(i, name) is not None]
 
         def one(axis):
             p = x.layout[axis]
@@ -566,7 +604,15 @@ def cross_entropy(ctx: Ctx):
             td = px.dim if px.dim < class_dim else px.dim - 1
             if pt != Shard(td):
                 raise ctx.fail(f"logits are sharded on dim {px.dim} but targets are {fmt_placement(pt)} on {axis!r}", "shard logits and targets on the same batch dim")
-            return {"none": Shard(td), "sum": Partial(), "mean": Partial("avg")}[reduction_]
+            if reduction_ == "mean":
+                # the mean over all targets is not the mean of the ranks' means: they count different
+                # numbers of targets once ignore_index (HF's -100 padding) or class weights enter
+                raise ctx.fail(f"a mean cross-entropy over logits sharded on batch dim {px.dim} on {axis!r}: each rank would "
+                               f"average over its own targets, and the mean of those means is not the mean over all "
+                               f"targets when ranks count different numbers of them (ignore_index, class weights)",
+                               "use reduction='sum' and divide by the global number of targets, or compute the loss "
+                               "outside the graph on each rank's output")
+            return {"none": Shard(td), "sum": Partial()}[reduction_]
         if not isinstance(pt, Replicate):
             raise ctx.fail(f"targets are sharded on {axis!r} but logits are Replicate", "shard logits and targets the same way")
         return R
@@ -673,6 +719,32 @@ def reshape_like(ctx: Ctx):
     return _layout_map(ctx, one)
 
 
+def like_other(rule: Callable) -> Callable:
+    """``x.view_as(other)`` / ``reshape_as`` / ``expand_as``: each rank takes the *local*
+    shape of ``other``, so the result is right only where that is the result's local
+    shape (``other`` laid out like the result, where it is sharded)."""
+
+    def wrapped(ctx: Ctx):
+        out = rule(ctx)
+        other = ctx.t(1)
+        if other is not None:
+            from .layout import local_shape
+
+            try:
+                want = local_shape(ctx.val.shape, out, ctx.axes)
+            except ValueError:
+                want = None
+            if want != tuple(other.local_shape):
+                raise ctx.fail(f"{ctx.node.target} takes the local shape {list(other.local_shape)} of `{ctx.arg(1).name}` "
+                               f"({fmt_layout(other.layout)}), but the result laid out {fmt_layout(out)} has local shape "
+                               f"{list(want) if want else '?'}",
+                               f"lay `{ctx.arg(1).name}` out like the result, or use view/expand with explicit sizes")
+        return out
+
+    wrapped.__name__ = f"{getattr(rule, '__name__', 'rule')} (like other)"
+    return wrapped
+
+
 def permute_like(kind: str):
     def rule(ctx: Ctx):
         x = ctx.t(0)
@@ -702,7 +774,12 @@ def copy_into(ctx: Ctx):
 
     def one(axis):
         pd, ps = dst.layout[axis], src.layout[axis]
+        if isinstance(ps, Shard):
+            ps = Shard(ps.dim + off)  # in dst's dims (src broadcasts from the right)
         if ps == pd:
+            if isinstance(pd, Shard) and src.shape[pd.dim - off] != dst.shape[pd.dim]:
+                raise ctx.fail(f"copies a value sharded on a broadcast dim into one sharded on dim {pd.dim} on {axis!r}",
+                               "make the copied value Replicate")
             return pd
         if isinstance(ps, Replicate) and isinstance(pd, Shard):
             sd = pd.dim - off
@@ -793,7 +870,7 @@ def getitem(ctx: Ctx):
     items = idx if isinstance(idx, tuple) else (idx,)
     nd = len(v.shape)
     consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
-    mapping, advanced, in_d, out_d = {}, [], 0, 0
+    mapping, advanced, advanced_out, in_d, out_d = {}, [], [], 0, 0
     for it in items:
         if it is None:
             out_d += 1
@@ -805,12 +882,24 @@ def getitem(ctx: Ctx):
         elif isinstance(it, int) or isinstance(ctx.info_of(it), SizeInfo):
             mapping[in_d] = None; in_d += 1
         else:
-            advanced.append(in_d); in_d += 1; out_d += 1
+            advanced.append(in_d); advanced_out.append(out_d); in_d += 1; out_d += 1
     while in_d < nd:
         mapping[in_d] = out_d; in_d += 1; out_d += 1
 
+    index_tensors = [(it, ctx.info_of(it)) for it in items if isinstance(ctx.info_of(it), TensorInfo)]
+
     def one(axis):
         p = v.layout[axis]
+        sharded_index = [(it, ti) for it, ti in index_tensors if not isinstance(ti.layout[axis], Replicate)]
+        if sharded_index:
+            # each rank gathers the entries of its own index shard: a shard of the result only for one
+            # index tensor into a Replicate tensor (the index dims replace the indexed dim in place)
+            (it, ti) = sharded_index[0]
+            if (len(index_tensors) == 1 and len(advanced) == 1 and isinstance(p, Replicate)
+                    and isinstance(ti.layout[axis], Shard) and ti.dtype is not torch.bool):
+                return Shard(advanced_out[0] + ti.layout[axis].dim)
+            raise ctx.fail(f"indexing with `{it.name}`, which is {fmt_placement(ti.layout[axis])} on {axis!r}, into a "
+                           f"{fmt_placement(p)} tensor", "make the index Replicate")
         if isinstance(p, Replicate) or isinstance(p, Partial):
             return p
         m = mapping.get(p.dim)
@@ -852,7 +941,10 @@ def getattr_rule(ctx: Ctx):
     if x is not None and attr == "ndim":
         return SizeInfo(len(x.shape), frozenset())
     if x is not None and attr in ("T", "mT", "mH", "H"):
-        raise ctx.fail(f"tensor attribute .{attr}", "use transpose(...) instead")
+        nd = len(x.shape)
+        perm = list(range(nd))[::-1] if attr in ("T", "H") else list(range(nd - 2)) + [nd - 1, nd - 2]
+        inv = {src: dst for dst, src in enumerate(perm)}
+        return _layout_map(ctx, lambda axis: Shard(inv[x.layout[axis].dim]) if isinstance(x.layout[axis], Shard) else x.layout[axis])
     return None
 
 
@@ -903,12 +995,12 @@ RULES: dict[Any, Callable] = {
     torch.add: _add, torch.sub: _add, torch.mul: _mul, torch.div: _div, torch.neg: _unary,
     torch.rsqrt: _nonlin, torch.sqrt: _nonlin, torch.exp: _nonlin, torch.log: _nonlin, torch.tanh: _nonlin,
     torch.sigmoid: _nonlin, torch.sin: _nonlin, torch.cos: _nonlin, torch.pow: _nonlin, torch.where: _nonlin,
-    torch.abs: _nonlin, torch.clamp: _nonlin, torch.square: _nonlin, torch.polar: _nonlin, torch.outer: _nonlin,
+    torch.abs: _nonlin, torch.clamp: _nonlin, torch.square: _nonlin, torch.polar: _nonlin, torch.outer: outer,
     torch.matmul: matmul, torch.bmm: matmul,
     torch.softmax: softmax(False), F.softmax: softmax(False), F.log_softmax: softmax(True), torch.log_softmax: softmax(True),
     F.silu: _nonlin, F.gelu: _nonlin, F.relu: _nonlin, torch.relu: _nonlin, F.tanh: _nonlin, F.sigmoid: _nonlin,
     F.dropout: _unary, F.linear: linear, F.embedding: embedding,
-    F.layer_norm: norm((2, 3)), F.rms_norm: norm((2,)), F.scaled_dot_product_attention: sdpa,
+    F.layer_norm: norm(((2, "weight"), (3, "bias"))), F.rms_norm: norm(((2, "weight"),)), F.scaled_dot_product_attention: sdpa,
     F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
     torch.reshape: reshape_like, torch.flatten: reshape_like, torch.unflatten: reshape_like,
     torch.squeeze: reshape_like, torch.unsqueeze: reshape_like,
@@ -934,9 +1026,9 @@ METHOD_RULES: dict[str, Callable] = {
     "square": _nonlin, "clamp": _nonlin,
     "softmax": softmax(False), "log_softmax": softmax(True), "matmul": matmul,
     "view": reshape_like, "reshape": reshape_like, "flatten": reshape_like, "unflatten": reshape_like,
-    "squeeze": reshape_like, "unsqueeze": reshape_like, "view_as": reshape_like, "reshape_as": reshape_like,
+    "squeeze": reshape_like, "unsqueeze": reshape_like, "view_as": like_other(reshape_like), "reshape_as": like_other(reshape_like),
     "transpose": permute_like("transpose"), "permute": permute_like("permute"), "t": permute_like("t"),
-    "expand": expand, "expand_as": expand, "repeat_interleave": repeat_interleave,
+    "expand": expand, "expand_as": like_other(expand), "repeat_interleave": repeat_interleave,
     "split": split, "chunk": split,
     "sum": reduction("sum"), "mean": reduction("mean"), "amax": reduction("amax"), "max": reduction("max"),
     "size": size, "dim": lambda ctx: SizeInfo(len(ctx.t(0).shape), frozenset()),

@@ -146,6 +146,7 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
                                    f"on axis {axis!r}", reduce_fix(axis))
                 ok = (kind == "unary" and len(tensors) == 1) or (
                     kind == "add" and not reps and not any(scalars)) or (
+                    kind == "add" and ops == ["avg"]) or (  # the mean of (a_r + c) is A + c
                     kind == "mul" and len(partial) == 1) or (
                     kind == "div" and len(partial) == 1 and partial[0][0] is ctx.arg(0))
                 if not ok:

@@ -448,6 +448,9 @@ ALLOWLIST: list[Entry] = [
     # fxshard accepts, DTensor would redistribute (numbers verified: a wrong number is never allowlisted)
     Entry("add-zero", ("operator.add/zero",), "x + 0 keeps a Partial: adding the literal 0 is the identity (rules.pointwise "
           "ignores zero scalars); DTensor reduces first", verdicts=(ACC_REDIST,)),
+    Entry("avg-plus-number", ("operator.add/scalar", "operator.add/traced-scalar"), "a Partial(avg) plus a number stays "
+          "Partial(avg): the mean of (a_r + c) is A + c (rules.pointwise); DTensor reduces first", verdicts=(ACC_REDIST,),
+          when=_partial_avg),
     Entry("dtensor-clone-partial", ("clone", "repeat_interleave*", "torch.repeat_interleave", "copy_*", "aten.copy_",
                                     "torch.matmul/broadcast"),
           "these local ops are linear, so a Partial stays Partial; DTensor's clone/copy_ strategies (also inside "
@@ -483,10 +486,6 @@ ALLOWLIST: list[Entry] = [
           "not represent (it refuses the view)", verdicts=(GAP,), when=lambda c: "_StridedShard" in _dt_out(c)),
     Entry("gap-partial-max", ("*",), "amax/max over a sharded dim is DTensor's Partial(max); fxshard represents only "
           "Partial sum/avg", verdicts=(GAP,), when=lambda c: "P(max)" in _dt_out(c)),
-    Entry("gap-avg-plus-replicate", _ADD_FAMILY + ("torch.add/alpha", "torch.arange", "torch.zeros", "torch.full", "torch.empty"),
-          "Partial(avg) + Replicate is exact (the mean of a_r + c is A + c), but rules.pointwise('add') asks every "
-          "operand to be Partial (improvement possible)", verdicts=(GAP,),
-          when=lambda c: _partial_avg(c) and "not linear in these operands" in c.fx),
     Entry("gap-add-alpha", ("torch.add/alpha",), "torch.add(x, y, alpha=2) on Partials: alpha counts as a non-zero scalar "
           "operand, so fxshard refuses (improvement possible: alpha scales y, which is linear)", verdicts=(GAP,)),
     Entry("gap-traced-scalar", ("operator.mul/traced-scalar", "operator.add/traced-scalar"), "a number read from a sharded dim "

@@ -792,6 +792,42 @@ def copy_into(ctx: Ctx):
     return _layout_map(ctx, one)
 
 
+def narrow(ctx: Ctx):
+    """``torch.narrow(x, dim, start, length)``: a slice of a dim that must not be sharded;
+    ``start``/``length`` read at run time are rescaled to that dim by ``localize``."""
+    x = ctx.t(0)
+    nd = len(x.shape)
+    dim = _traced_int(ctx, ctx.arg(1, "dim")) % nd
+
+    def one(axis):
+        p = x.layout[axis]
+        if isinstance(p, Shard) and p.dim == dim:
+            raise ctx.fail(f"narrow of dim {dim}, which is sharded on {axis!r}", "narrow a Replicate dim, or narrow before sharding")
+        return p
+
+    return _layout_map(ctx, one)
+
+
+def rank_dependent_numbers(ctx: Ctx) -> None:
+    """PlanError when an op without a rule of its own receives a number (or a shape)
+    read from a sharded dim: each rank would pass its local size, and nothing
+    rescales it (``torch.narrow(cos, 0, 0, S)`` with S of a sequence-sharded input)."""
+    for a in _flat(ctx.node.args, ctx.node.kwargs):
+        v = ctx.info_of(a)
+        if isinstance(v, SizeInfo) and isinstance(v.axes, tuple):
+            dependent = any(ax is None or ax for ax in v.axes)
+        elif _is_number_node(a):
+            axes = _number_axes(a)
+            dependent = axes is None or bool(axes)
+        else:
+            continue
+        if dependent:
+            raise ctx.fail(f"{_name(ctx.node)} has no layout rule and takes `{a.name}`, computed at run time from "
+                           f"{_sharded_source(a)}: each rank would pass its local size, not the single-device one",
+                           "pass the global size as a literal (e.g. a module attribute), read it from a dim that is not "
+                           "sharded, or file an issue for a rule of this op")
+
+
 def expand(ctx: Ctx):
     x = ctx.t(0)
     off = ctx.out_ndim - len(x.shape)
@@ -1007,7 +1043,7 @@ RULES: dict[Any, Callable] = {
     torch.squeeze: reshape_like, torch.unsqueeze: reshape_like,
     torch.view_as_complex: reshape_like, torch.view_as_real: reshape_like,
     torch.transpose: permute_like("transpose"), torch.permute: permute_like("permute"), torch.t: permute_like("t"),
-    torch.repeat_interleave: repeat_interleave, torch.split: split, torch.chunk: split,
+    torch.repeat_interleave: repeat_interleave, torch.split: split, torch.chunk: split, torch.narrow: narrow,
     torch.cat: cat(False), torch.concat: cat(False), torch.stack: cat(True),
     torch.sum: reduction("sum"), torch.mean: reduction("mean"), torch.amax: reduction("amax"),
     operator.mod: _nonlin, builtins.abs: _nonlin,
@@ -1030,7 +1066,7 @@ METHOD_RULES: dict[str, Callable] = {
     "squeeze": reshape_like, "unsqueeze": reshape_like, "view_as": like_other(reshape_like), "reshape_as": like_other(reshape_like),
     "transpose": permute_like("transpose"), "permute": permute_like("permute"), "t": permute_like("t"),
     "expand": expand, "expand_as": like_other(expand), "repeat_interleave": repeat_interleave,
-    "split": split, "chunk": split,
+    "split": split, "chunk": split, "narrow": narrow,
     "sum": reduction("sum"), "mean": reduction("mean"), "amax": reduction("amax"), "max": reduction("max"),
     "size": size, "dim": lambda ctx: SizeInfo(len(ctx.t(0).shape), frozenset()),
 }

@@ -7,7 +7,8 @@ dim sharded the same way as the dim they size; ``-1`` is left to infer.
 
 Reads:  ``.value`` (TensorInfo of results, SizeInfo of runtime sizes).
 Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
-        ``new_*`` nodes and of ``split`` along a fused projection's sharded dim;
+        ``new_*`` nodes and of ``split`` along a fused projection's sharded dim,
+        run-time bounds of slices and ``narrow``;
         no metadata.
 """
 from __future__ import annotations
@@ -47,6 +48,9 @@ def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
             continue
         if node.op == "call_function" and node.target is operator.getitem:
             _slice_bounds(node, axes)
+            continue
+        if node.target is torch.narrow or node.op == "call_method" and node.target == "narrow":
+            _narrow_bounds(node, axes)
             continue
         out = info(node).value
         if not isinstance(out, TensorInfo):
@@ -136,6 +140,21 @@ def _slice_bounds(node, axes):
         new.append(it)
     if changed:
         node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
+
+
+def _narrow_bounds(node, axes):
+    """``torch.narrow(cos, 0, 0, S)`` with ``S`` read at run time: like a slice bound,
+    in the units of the narrowed dim."""
+    x = info(node.args[0]).value
+    if not isinstance(x, TensorInfo):
+        return
+    args = list(node.args)
+    dim = args[1] if len(args) > 1 else node.kwargs.get("dim")
+    dim = (info(dim).value.value if isinstance(dim, fx.Node) else dim) % len(x.shape)
+    for i in (2, 3):
+        if i < len(args) and isinstance(args[i], fx.Node) and isinstance(info(args[i]).value, SizeInfo):
+            args[i] = _rescaled(node, args[i], _sharding(x, dim), axes, f"the narrow of dim {dim}")
+    node.args = tuple(args)
 
 
 def _unflatten(node, out: TensorInfo, axes):

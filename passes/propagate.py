@@ -23,7 +23,7 @@ from fxshard.errors import PlacementMismatchError, PlanError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
-from fxshard.rules import Ctx, rule_for, scalar_value
+from fxshard.rules import Ctx, rank_dependent_numbers, rule_for, scalar_value
 
 
 def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
@@ -198,6 +198,8 @@ def _apply_rule(node: fx.Node, axes):
     else:
         name, rule = rule_for(node)
     if rule is None:
+        if node.op != "call_module" and (tensors or isinstance(node.meta.get("val"), torch.Tensor)):
+            rank_dependent_numbers(ctx)
         # An op without a rule on non-replicated inputs: DTensor's sharding propagation
         # decides, without redistributing (fxshard.dtensor_rules).
         if node.op != "call_module" and any(not is_replicate(ti.layout) for _, ti in tensors):
@@ -295,6 +297,8 @@ def _change_layout(node, src: TensorInfo, declared: dict, axes, where: str, rule
     meta = info(node)
     dst = {**src.layout, **declared}
     _check_transition(node, src.layout, dst, where)
+    if src.blocks is not None:
+        _check_blocks_kept(node, src, dst, where)
     meta.value = _wrap(node, dst, axes, src.requires_grad)
     meta.rule = rule
     if dst != src.layout:
@@ -312,6 +316,19 @@ def _check_transition(node, src, dst, where):
         if isinstance(s, Partial) and s.reduce_op not in ("sum", "avg"):
             raise node_error(node, f"{where}: reducing a Partial({s.reduce_op}) value on axis {axis!r} is not supported",
                              "reduce it where it is produced, or return it as is")
+
+
+def _check_blocks_kept(node, src: TensorInfo, dst: dict, where: str) -> None:
+    """A fused projection's output (``colwise(splits=...)``) holds on each rank its slice
+    of every part, not a contiguous chunk: a collective on its sharded dim would put
+    the parts' slices in the wrong order."""
+    for axis, p in src.layout.items():
+        if isinstance(p, Shard) and src.shape[p.dim] == sum(src.blocks) and dst[axis] != p:
+            raise node_error(node, f"{where}: the output of a fused projection (splits={list(src.blocks)}) is sharded part "
+                                   f"by part on dim {p.dim}; redistributing it to {fmt_layout(dst)} would interleave the "
+                                   f"parts' slices",
+                             f"split it into its parts first and redistribute those, or drop splits= (a plain colwise "
+                             f"output gathers to the whole projection)")
 
 
 def _suggest(layout, axes=None) -> str:

@@ -123,3 +123,35 @@ def test_slice_bound_read_from_a_sharded_dim_is_rescaled():
 
     check_simulated(SlicedMask, plan, (torch.randn(2, 8, 8),), {"tp": 2})
     check_simulated(SlicedMask, plan, (torch.randn(2, 8, 8),), {"tp": 4})
+
+
+class _RopeNarrow(nn.Module):
+    """Sequence-parallel norm, then a whole-sequence table narrowed to the length read from
+    the sequence-sharded input (``torch.narrow(cos, 0, 0, S)``), gathered projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("cos", torch.randn(16, 8))
+
+    def forward(self, x):
+        h = self.norm(x)
+        S = h.size(1)
+        h = self.proj(h)
+        return h * torch.narrow(self.cos, 0, 0, S)
+
+
+def test_narrow_bound_read_from_a_sharded_dim_is_rescaled():
+    """Regression (issue 15 fuzz): the length read from a sequence-sharded input narrowed a
+    whole-sequence table to the local length (the program then failed or broadcast away)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from equivalence import check_simulated
+    import fxshard
+
+    def plan(mesh):
+        return Plan(mesh, {"norm": fxshard.sequence_parallel(), "proj": colwise(inputs=Shard(1), out=Replicate())},
+                    inputs={"x": {"tp": Shard(1)}})
+
+    check_simulated(_RopeNarrow, plan, (torch.randn(2, 8, 8),), {"tp": 2})
+    check_simulated(_RopeNarrow, plan, (torch.randn(2, 8, 8),), {"tp": 4})

@@ -297,3 +297,32 @@ def test_partial_sum_plus_partial_avg_is_refused():
     plan = Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}})
     with pytest.raises(PlanError, match=r"combines Partial values that reduce differently \(avg, sum\)"):
         fxshard.transform(_SumPlusMean(), plan, example_inputs=(torch.randn(2, 4),))
+
+
+class _FusedGathered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_op_without_rule_taking_a_local_size_is_refused():
+    """An op with no rule of its own that takes a size read from a sharded dim would get
+    each rank's local size; nothing rescales it (found with ``torch.narrow``)."""
+    class Roll(nn.Module):
+        def forward(self, x):
+            return torch.roll(x, x.size(1), 0)
+
+    plan = Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}})
+    with pytest.raises(PlanError, match=r"roll has no layout rule and takes `size`.*sharded on \['tp'\]"):
+        fxshard.transform(Roll(), plan, example_inputs=(torch.randn(4, 8),))
+
+
+def test_gathering_a_fused_projection_output_is_refused():
+    """Regression (issue 15 fuzz): ``colwise(splits=[4, 4], out=Replicate())`` all-gathered
+    [r0 part0 | r0 part1 | r1 part0 | ...], the parts' slices out of order (max diff 0.03)."""
+    plan = Plan(MeshSpec(("tp",), (4,)), {"head": colwise(out=R, splits=[4, 4])})
+    with pytest.raises(PlanError, match=r"fused projection \(splits=\[4, 4\]\) is sharded part by part"):
+        fxshard.transform(_FusedGathered(), plan, example_inputs=(torch.randn(2, 8),))

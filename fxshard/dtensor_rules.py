@@ -115,6 +115,8 @@ def _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, pla
     from torch.distributed.tensor._op_schema import OpSchema
 
     replicate = tuple(Replicate() for _ in names)
+    if not any(isinstance(t, torch.Tensor) for t in tree_flatten(result)[0]):
+        return  # a query (prim.device, sym sizes): no tensor out, no layout to derive
     ins = [placements.get(id(t), replicate) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     if all(all(isinstance(p, Replicate) for p in pl) for pl in ins):
         for t in tree_flatten(result)[0]:

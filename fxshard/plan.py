@@ -63,7 +63,7 @@ class ModuleSpec:
     compute: Callable | None = None
     optional_params: tuple[str, ...] = ()
     splits: tuple[int, ...] | None = None
-    style: str | None = None
+    style: str | None = field(default=None, compare=False)  # a name for printing: a preset equals its spelled-out spec
 
     def __post_init__(self):
         self.params = dict(self.params or {})

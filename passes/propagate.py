@@ -88,6 +88,8 @@ _BLOCK_PRESERVING = {"contiguous", "float", "to", "clone", "type_as", "half", "b
 def _flow_blocks(node: fx.Node) -> None:
     """Carry the part sizes of a fused projection's output to the split that uses it."""
     out = info(node).value
+    if isinstance(out, (TensorInfo, tuple)):
+        _check_blocked_use(node, out)
     if not isinstance(out, TensorInfo):
         return
     if node.op == "call_function" and node.target is torch.nn.functional.linear:
@@ -109,6 +111,50 @@ def _flow_blocks(node: fx.Node) -> None:
     src = info(node.args[0]).value if preserving and node.args and isinstance(node.args[0], fx.Node) else None
     if isinstance(src, TensorInfo) and src.blocks and src.layout == out.layout and src.shape == out.shape:
         out.blocks = src.blocks
+
+
+def _blocked_dim(ti: TensorInfo) -> int | None:
+    dims = [p.dim for p in ti.layout.values() if isinstance(p, Shard) and ti.shape[p.dim] == sum(ti.blocks)]
+    return max(dims) if dims else None
+
+
+def _check_blocked_use(node: fx.Node, out) -> None:
+    """A fused projection's output holds on each rank its slice of every part
+    ([part 0 slice | part 1 slice | ...]), not a contiguous chunk: only ops that know
+    that may take it (a split into the parts, a view keeping the parts outermost, the
+    linear that makes it, a boundary, a cast) or ops that keep it as it is (elementwise
+    ops, which pass the parts on).  Anything else would read it as a contiguous shard."""
+    blocked = [(a, v) for a in node.all_input_nodes for v in [info(a).value] if isinstance(v, TensorInfo) and v.blocks]
+    if not blocked or node.op in ("get_attr", "placeholder", "output"):
+        return
+    if node.op == "call_function" and node.target is torch.nn.functional.linear and all(a is not node.args[0] for a, _ in blocked):
+        return  # the fused weight (and bias) of the projection itself
+    known = {"view", "reshape", "split", "chunk", "t", "size", "dim"} | _BLOCK_PRESERVING
+    if node.target in (region_input, region_output, torch.split, torch.chunk) or (node.op == "call_method" and node.target in known):
+        return
+    if not isinstance(out, TensorInfo):
+        if isinstance(out, tuple):
+            raise _blocked_error(node, blocked[0])
+        return
+    rule = rule_for(node)[1] if node.op in ("call_function", "call_method") else None
+    if getattr(rule, "__name__", "").startswith("pointwise"):
+        # elementwise: fine when every operand sharded on that dim is fused alike and the dim stays
+        parts = {v.blocks for _, v in blocked}
+        d = _blocked_dim(blocked[0][1])
+        others = [a for a in node.all_input_nodes for v in [info(a).value] if isinstance(v, TensorInfo) and not v.blocks
+                  and any(isinstance(p, Shard) and p.dim - len(v.shape) == d - len(blocked[0][1].shape) for p in v.layout.values())]
+        if len(parts) == 1 and not others and d is not None and out.shape[d + len(out.shape) - len(blocked[0][1].shape)] == sum(blocked[0][1].blocks):
+            out.blocks = blocked[0][1].blocks
+            return
+    raise _blocked_error(node, blocked[0])
+
+
+def _blocked_error(node, blocked):
+    a, v = blocked
+    return node_error(node, f"`{a.name}` is the output of a fused projection (splits={list(v.blocks)}): each rank holds its "
+                            f"slice of every part, not a contiguous shard, and this op would read it as one",
+                      "split it into its parts right after the projection (split/chunk into exactly those sizes), or "
+                      "drop splits= from its colwise()")
 
 
 def _same_sharded_dim(src: TensorInfo, out: TensorInfo) -> bool:

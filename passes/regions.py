@@ -86,7 +86,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
             declared_by[full] = pattern
             if spec.splits:
                 splits[full] = spec.splits
-    _check_tied(gm, declared_params)
+    _check_tied(gm, declared_params, splits)
     _check_boundaries_marked(gm, specs)
 
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
@@ -305,8 +305,9 @@ def _check_boundaries_marked(gm, specs) -> None:
                             f"model with fxshard.trace(model, plan, example_inputs), or pass the nn.Module to fxshard.transform")
 
 
-def _check_tied(gm, declared: dict[str, dict]) -> None:
-    """Tied parameters (one tensor under several FQNs) must get one layout."""
+def _check_tied(gm, declared: dict[str, dict], splits: dict[str, tuple[int, ...]]) -> None:
+    """Tied parameters (one tensor under several FQNs) must get one layout, and be fused
+    the same way (``splits=``): the tensor is sliced once."""
     by_tensor: dict[int, list[str]] = {}
     for fqn, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
         by_tensor.setdefault(id(t), []).append(fqn)
@@ -319,3 +320,8 @@ def _check_tied(gm, declared: dict[str, dict]) -> None:
             desc = ", ".join(f"{n}: {v if v is not None else 'Replicate (not in plan)'}" for n, v in layouts.items())
             raise PlanError(f"tied parameters {names} get different layouts ({desc}); give every name of a tied "
                             f"parameter the same layout (e.g. shard the LM head like the embedding)")
+        fused = {n: splits.get(n) for n in names}
+        if len({repr(v) for v in fused.values()}) > 1:
+            desc = ", ".join(f"{n}: splits={list(v) if v else None}" for n, v in fused.items())
+            raise PlanError(f"tied parameters {names} are fused differently ({desc}); the tensor is sliced once, so "
+                            f"give every name the same splits= (or none)")

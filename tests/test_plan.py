@@ -167,3 +167,17 @@ def test_from_torch_plan_gives_the_handwritten_program(sp):
     a, b = ours.state_dict(), theirs.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert theirs.meta["fxshard_state"] == ours.meta["fxshard_state"]
+
+
+def test_a_preset_equals_its_spelled_out_spec():
+    """Regression (issue 15 fuzz): a preset and the identical hand-written ModuleSpec on one
+    module were "several plan entries with different specs" (they differed in ``style``)."""
+    import torch.nn as nn
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    explicit = fxshard.ModuleSpec(params={"weight": {"tp": Shard(1)}}, inputs={"tp": Shard(-1)}, in_src={"tp": Shard(-1)},
+                                  out_src={"tp": Partial()}, out_dst={"tp": Replicate()})
+    assert explicit == fxshard.rowwise()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"0": fxshard.colwise(), "[2]": fxshard.rowwise(), "2": explicit})
+    fxshard.transform(model, plan, example_inputs=(torch.randn(2, 8),))

@@ -326,3 +326,59 @@ def test_gathering_a_fused_projection_output_is_refused():
     plan = Plan(MeshSpec(("tp",), (4,)), {"head": colwise(out=R, splits=[4, 4])})
     with pytest.raises(PlanError, match=r"fused projection \(splits=\[4, 4\]\) is sharded part by part"):
         fxshard.transform(_FusedGathered(), plan, example_inputs=(torch.randn(2, 8),))
+
+
+def test_fused_output_read_as_a_contiguous_shard_is_refused():
+    """Regression (issue 15 fuzz): ``colwise(splits=[4, 4])`` -> relu -> ``rowwise()``: the
+    row-parallel weight's contiguous Shard(1) did not line up with the part-by-part
+    activation (max diff 0.9).  Elementwise ops carry the parts; the linear refuses."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = Plan(MeshSpec(("tp",), (2,)), {"0": colwise(splits=[4, 4]), "2": rowwise()})
+    with pytest.raises(PlanError, match=r"output of a fused projection \(splits=\[4, 4\]\).*this op would read it as one"):
+        fxshard.transform(model, plan, example_inputs=(torch.randn(2, 4),))
+
+
+class _Einsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.w1(x).unflatten(-1, (4, 4))
+        a, b = h.unflatten(-1, (2, 2)).unbind(-2)
+        h = torch.einsum("bsgf,bsgf->bsgf", a, b).repeat_interleave(2, -1)
+        return self.w2(h.flatten(-2))
+
+
+def test_ops_whose_decomposition_reads_the_device_get_dtensor_layouts():
+    """Regression (issue 15 fuzz): einsum and unbind decompose through ``prim.device``,
+    which has no DTensor strategy; the query was refused, now it is skipped."""
+    plan = lambda mesh: Plan(mesh, {"w1": colwise(), "w2": rowwise()})
+    check_simulated(_Einsum, plan, (torch.randn(2, 3, 8),), {"tp": 2}, steps=1)
+
+
+def test_llama_exports_with_its_own_plan():
+    """Regression (issue 15 fuzz): under capture="export" GQA's aten.repeat_interleave on
+    head-sharded k/v was refused (``prim.device`` in its decomposition)."""
+    model = llama(seed=0, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, vocab_size=32, ffn_hidden=32)
+    gm = fxshard.transform(model, Plan(MeshSpec(("tp",), (2,)), llama_plan("tp")), example_inputs=(tokens(2, 8, 32),),
+                           capture="export")
+    assert any(n.target is fxshard.all_reduce for n in gm.graph.nodes)
+
+
+class _ArangePositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(8, 4)
+
+    def forward(self, x):
+        return x + self.pos(torch.arange(x.size(1), device=x.device))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_factory_sized_by_a_local_size_is_refused_under_both_captures(capture):
+    """Regression (issue 15 fuzz): exported graphs hold ``aten.arange``, which skipped the
+    factory rule's check and built the first positions on every rank (max diff 2.4)."""
+    plan = Plan(MeshSpec(("tp",), (2,)), {"pos": fxshard.ModuleSpec(out_dst={"tp": Shard(0)})}, inputs={"x": {"tp": Shard(1)}})
+    with pytest.raises(PlanError, match=r"(arange is sized by|no layout rule and takes)"):
+        fxshard.transform(_ArangePositions(), plan, example_inputs=(torch.randn(2, 4, 4),), capture=capture)

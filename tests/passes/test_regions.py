@@ -139,3 +139,24 @@ def test_boundaries_of_a_module_that_is_never_called():
     gm = fxshard.transform(_Functional(), params_only, example_inputs=(torch.randn(2, 4),))
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     assert out.args[0].meta[KEY].value.layout == {"tp": Shard(1)}
+
+
+class _TiedFused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_tied_parameters_fused_differently_are_refused():
+    """Regression (issue 15 fuzz): a vocab-parallel embedding tied to a head with
+    ``splits=`` was sliced once, contiguously, while the head's metadata said part by part:
+    ``full_state_dict`` returned a permuted head."""
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"embed": fxshard.vocab_parallel(),
+                                                          "head": fxshard.colwise(splits=[4, 12], out=Replicate())})
+    with pytest.raises(fxshard.PlanError, match=r"tied parameters \['embed.weight', 'head.weight'\] are fused differently"):
+        fxshard.transform(_TiedFused(), plan, example_inputs=(torch.randint(0, 16, (2, 4)),))

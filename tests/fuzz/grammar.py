@@ -59,6 +59,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
+from fxshard.testing.models import RMSNorm  # hand-written: x * rsqrt(mean(x^2) + eps) * w
 
 __all__ = [
     "AttnCfg", "MlpCfg", "BlockCfg", "ModelCfg", "Entry", "FuzzCase",
@@ -152,18 +153,6 @@ class ModelCfg:
 
 
 # ============================================================================ model building blocks
-
-
-class RMSNorm(nn.Module):
-    """Hand-written RMSNorm: x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class LayerNorm(nn.Module):

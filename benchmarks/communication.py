@@ -380,7 +380,9 @@ def _moe_rank(rank: int, n: int, s: Shapes, out_path: str) -> None:
     from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("ep",))
-    model = WithLoss(_moe(s, n))
+    # a sum over each rank's tokens: a mean per rank is refused over a batch-sharded axis (the
+    # mean of the ranks' means is not the global mean once targets are ignored)
+    model = WithLoss(_moe(s, n), reduction="sum")
     ids, tgt = tokens(s.batch, s.seqlen, s.vocab, seed=1), tokens(s.batch, s.seqlen, s.vocab, seed=2)
     batch_sharded = {"tokens": {"ep": Shard(0)}, "targets": {"ep": Shard(0)}}
     plan = fxshard.Plan(mesh, _fx_plan(CASES["moe_expert_parallel"]), inputs=batch_sharded)
@@ -415,8 +417,7 @@ def _run_moe_case(case: Case, s: Shapes, n: int) -> list[dict]:
         raise AssertionError(f"{case.name}: the ranks ran different collectives: {per_rank}")
     mean_calls = [(p, k, sum(calls[i][2] for calls in per_rank) / n) for i, (p, k, _) in enumerate(per_rank[0])]
     tally = _tally(mean_calls, n)
-    # equal batch shards: the mean of the per-rank (local mean) losses is the global mean
-    mean_loss = sum(r["loss"] for r in got["ranks"]) / n
+    mean_loss = sum(r["loss"] for r in got["ranks"]) / (s.batch * s.seqlen)  # the ranks' sums over all tokens
     measured = {p: tally.count(p) for p in ("forward", "backward")}
     minimum = megatron_minimum(case, s, n, got["replicated_params"], got["n_experts"], got["top_k"])
     return [tally.row(case.name, "fxshard", minimum, loss_ok="yes" if abs(mean_loss - got["reference"]) < 1e-4 else "NO",

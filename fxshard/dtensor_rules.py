@@ -96,11 +96,16 @@ def dtensor_layout(ctx) -> dict | list[dict] | None:
         if isinstance(ti, TensorInfo):
             placements[vid] = tuple(ti.layout[a] for a in names)
     propagator = DTensor._op_dispatcher.sharding_propagator
+    producers: dict[int, Any] = {}
     for func, args, kwargs, result in rec.calls:
-        _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, placements, reduce_fix)
+        _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, placements, producers, reduce_fix)
 
     def layout_of(t):
         p = placements.get(id(t), tuple(Replicate() for _ in names))
+        for q in p:
+            if not (type(q) in (Shard, Replicate) or isinstance(q, Partial)):
+                raise ctx.fail(f"DTensor lays out the result of `{producers.get(id(t), node.target)}` as {q}, which fxshard "
+                               f"does not represent", "make the inputs of this op Replicate in the plan")
         return dict(zip(names, p))
 
     if isinstance(out, torch.Tensor):
@@ -110,7 +115,7 @@ def dtensor_layout(ctx) -> dict | list[dict] | None:
     return None
 
 
-def _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, placements, reduce_fix) -> None:
+def _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, placements, producers, reduce_fix) -> None:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema
 
@@ -152,8 +157,7 @@ def _propagate_one(ctx, propagator, mesh, names, func, args, kwargs, result, pla
     outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
     specs = [s for s in tree_flatten(out_specs)[0] if isinstance(s, DTensorSpec)] if out_specs is not None else []
     for t, s in zip(outs, specs):
-        for p in s.placements:
-            if not (type(p) in (Shard, Replicate) or isinstance(p, Partial)):
-                raise ctx.fail(f"DTensor lays out the result of `{func}` as {p}, which fxshard does not represent",
-                               "make the inputs of this op Replicate in the plan")
+        # an intermediate may be laid out in ways fxshard does not represent (einsum's
+        # _StridedShard between its views): only the node's own outputs are checked
         placements[id(t)] = tuple(s.placements)
+        producers[id(t)] = func

@@ -382,3 +382,26 @@ def test_factory_sized_by_a_local_size_is_refused_under_both_captures(capture):
     plan = Plan(MeshSpec(("tp",), (2,)), {"pos": fxshard.ModuleSpec(out_dst={"tp": Shard(0)})}, inputs={"x": {"tp": Shard(1)}})
     with pytest.raises(PlanError, match=r"(arange is sized by|no layout rule and takes)"):
         fxshard.transform(_ArangePositions(), plan, example_inputs=(torch.randn(2, 4, 4),), capture=capture)
+
+
+class _EinsumScores(nn.Module):
+    """Attention scores by einsum on head-sharded q/k (DTensor's decomposition passes
+    through a _StridedShard view), the rest by matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (w(x).view(B, S, 4, 4) for w in (self.wq, self.wk, self.wv))
+        p = torch.einsum("bshd,bthd->bhst", q, k).mul(0.5).softmax(-1)
+        return self.wo((p @ v.transpose(1, 2)).transpose(1, 2).reshape(B, S, 16))
+
+
+def test_dtensor_intermediates_fxshard_does_not_represent_are_allowed():
+    """Found by the fuzz (issue 15): einsum attention on head-sharded q/k was refused
+    because an intermediate of its decomposition is a _StridedShard; only the node's
+    own outputs must be layouts fxshard represents."""
+    plan = lambda mesh: Plan(mesh, {"wq": colwise(), "wk": colwise(), "wv": colwise(), "wo": rowwise()})
+    check_simulated(_EinsumScores, plan, (torch.randn(2, 4, 16),), {"tp": 2}, steps=1)

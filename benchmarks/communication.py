@@ -227,6 +227,12 @@ def megatron_minimum(case: Case, s: Shapes, n: int, norm_params: int = 0, n_expe
       all-reduce of ``norm_params`` elements;
     * token embedding: replicated: nothing; vocab parallel: forward all-reduce(T d)
       (reduce-scatter(T d) + backward all-gather(T d) when the output is sequence-sharded);
+    * learned positions (GPT-2) under sequence parallelism: each rank looks up its own
+      rows of the replicated table, whose gradient must then be made whole on every
+      rank: one collective, a backward all-gather of the ``seqlen d`` rows (fewer bytes
+      than summing the whole ``n_positions d`` table in the bucket; Megatron-LM instead
+      adds the positions before one scatter of the whole ``T d``, and so all-reduces the
+      word embeddings: more bytes);
     * LM head: replicated: nothing; column parallel on a replicated input: backward
       all-reduce(T d); on a sequence-sharded input: forward all-gather(T d), backward
       reduce-scatter(T d); logits gathered: forward all-gather(T V); loss parallel: three
@@ -262,6 +268,8 @@ def megatron_minimum(case: Case, s: Shapes, n: int, norm_params: int = 0, n_expe
     else:
         add("forward", "all_reduce", act, 2 * L)
         add("backward", "all_reduce", act, 2 * L)
+    if case.family == "gpt2" and case.sequence_parallel:
+        add("backward", "all_gather", s.seqlen * d * f)
     vocab_parallel_embedding = case.family == "gpt2" or case.sequence_parallel
     if vocab_parallel_embedding and case.sequence_parallel:
         add("forward", "reduce_scatter", act)

@@ -70,6 +70,28 @@ def step_time_section(p) -> str:
     return "\n".join(lines)
 
 
+def step_time_fsdp_section(p) -> str:
+    """``step_time.py --model llama-fsdp``: fxshard + FSDP2 vs DTensor TP + FSDP2 on dp x tp."""
+    by = {}
+    for r in p["results"]["rows"]:
+        by.setdefault((r["size"], r["mode"]), {})[r["contender"]] = r
+    world = p["config"]["tp"]
+    lines = [f"**Step time on dp x tp = 2 x {world // 2}** (FSDP2 over dp; {world} gloo ranks, one thread each; each rank "
+             f"steps on its dp half of the batch; `{p['command']}`):", ""]
+    body = []
+    for (size, mode), c in by.items():
+        theirs, ours = c.get("dtensor", {}), c.get("fxshard", {})
+        if "median_ms" not in theirs or "median_ms" not in ours:
+            body.append([size, mode, "skipped", "skipped", "-", "-"])
+            continue
+        ok = all(r.get("max_loss_diff", 0) <= 1e-4 for r in c.values())
+        body.append([size, mode, f"{theirs['median_ms']:.1f}", f"{ours['median_ms']:.1f}",
+                     f"**{ours['median_ms'] / theirs['median_ms']:.2f}**", "yes" if ok else "NO"])
+    lines.append(_md_table(["size", "mode", "DTensor TP + FSDP2 ms", "fxshard + FSDP2 ms", "fxshard / DTensor",
+                            "losses equal"], body))
+    return "\n".join(lines)
+
+
 def _ratio_summary(ratios: list[dict]) -> str:
     """``fxshard / hand-written 1.00-1.05 (small), ...`` per size, over the modes."""
     parts = []
@@ -136,7 +158,7 @@ def memory_section(p) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = (("step_time", step_time_section), ("communication", communication_section),
+SECTIONS = (("step_time", step_time_section), ("step_time_fsdp", step_time_fsdp_section), ("communication", communication_section),
             ("transform_time", transform_section), ("memory", memory_section))
 
 

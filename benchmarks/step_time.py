@@ -25,8 +25,19 @@ weights, no KV cache; the loss is HF's, from ``labels``) and the contenders are
 
 results in ``results/step_time_hf_llama.json``.
 
+With ``--model llama-fsdp`` (an even ``--tp``: the world size) the mesh is ``dp=2 x
+tp``, each rank steps on its dp half of the batch, and the contenders are
+
+* ``dtensor``: torchtitan's composition, ``parallelize_module`` over ``tp`` and then
+  FSDP2's ``fully_shard`` on every block and the root over ``dp`` (the reference);
+* ``fxshard``: ``fxshard.transform`` with ``Plan(..., fsdp="dp")``, then
+  ``fxshard.fully_shard(sharded, mesh)``;
+
+results in ``results/step_time_fsdp.json``.
+
     python benchmarks/step_time.py                     # small + large, tp=2, all modes
     python benchmarks/step_time.py --model hf-llama    # the same for HF Llama
+    python benchmarks/step_time.py --model llama-fsdp --tp 4 --sizes small --modes eager,aot_eager
     python benchmarks/step_time.py --tp 4 --modes eager
     python benchmarks/step_time.py --profile           # + torch.profiler tables per contender
     torchrun --nproc-per-node 1 benchmarks/step_time.py --device cuda --sizes gpu
@@ -50,7 +61,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama", choices=list(bench.SUITES),
                    help="llama: fxshard.testing.models.Llama vs hand-written Megatron and DTensor; hf-llama: transformers' "
-                        "LlamaForCausalLM vs HF's tp_plan='auto', DTensor and one device")
+                        "LlamaForCausalLM vs HF's tp_plan='auto', DTensor and one device; llama-fsdp: dp=2 x tp, "
+                        "fxshard + FSDP2 vs DTensor TP + FSDP2")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to spawn on CPU (torchrun: the world size)")
     p.add_argument("--sizes", default="small,large",
                    help=f"comma-separated, from {list(bench.SIZES)} (hf-llama: {list(bench.HF_SIZES)})")

@@ -16,9 +16,10 @@ Example::
 from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
 from .mesh import MeshSpec
 from .plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel, vocab_parallel
-from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, reduce_scatter, shard
+from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, reduce_scatter, shard
 from .trace import trace
 from .transform import transform
+from .fsdp import fully_shard
 from .dump import dump
 from .comm import comm_summary
 from .explain import explain
@@ -29,11 +30,11 @@ from .state import full_state_dict, load_full_state_dict
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
-    "trace", "transform", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
+    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
     # runtime collectives called by the generated code
-    "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync",
+    "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket",
 ]

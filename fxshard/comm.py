@@ -21,6 +21,7 @@ fxshard op          forward            backward
 ``shard``           --                 all-gather
 ``all_to_all``      all-to-all         all-to-all
 ``grad_sync``       --                 all-reduce
+``grad_sync_bucket``  --               one all-reduce of the members' gradients
 ==================  =================  ==========================================
 
 The loss-parallel functions of :mod:`fxshard.loss` communicate inside; their rows
@@ -48,7 +49,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from .dump import _prefixes, module_path
+from .dump import _prefixes, block_module, module_path
 from .meta import KEY, TensorInfo
 from .plan import _pattern_regex
 
@@ -72,6 +73,7 @@ _AUTOGRAD_TABLE = {
     "shard": (None, "all_gather"),
     "all_to_all": ("all_to_all", "all_to_all"),
     "grad_sync": (None, "all_reduce"),
+    "grad_sync_bucket": (None, "all_reduce"),
 }
 
 
@@ -222,7 +224,9 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
         reg = _join(prefix, module_path(node))
         sub = _local_region(gm, node)
         if sub is not None:
-            inner_grad = [isinstance(a, fx.Node) and a in grad for a in node.args]
+            inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            bound = list(node.args) + [node.kwargs.get(ph.target) for ph in inputs[len(node.args):]]
+            inner_grad = [isinstance(a, fx.Node) and a in grad for a in bound]
             f, b = _graph_rows(sub, mesh, region, inner_grad, node.target)
             fwd_rows += f
             bwd_rows += b
@@ -233,7 +237,7 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
             size = mesh.get(axis, 0)
             if size == 1:
                 continue  # the runtime returns its input unchanged
-            if phase == "backward" and not (isinstance(node.args[0], fx.Node) and node.args[0] in grad):
+            if phase == "backward" and not _carries_grad(node.args[0] if node.args else None, grad):
                 continue  # no gradient flows through this node
             shape, dtype = tuple(buffer.local_shape), buffer.dtype
             row = CommRow(phase, kind, axis, size, node.name, op, reg, shape, dtype,
@@ -242,12 +246,21 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
     return fwd_rows, bwd_rows
 
 
+def _carries_grad(arg, grad: set) -> bool:
+    if isinstance(arg, (list, tuple)):  # a bucket: any member
+        return any(_carries_grad(a, grad) for a in arg)
+    return isinstance(arg, fx.Node) and arg in grad
+
+
 def _local_region(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The sub-GraphModule an opaque local region runs (``gm.meta["fxshard_region"]``)."""
+    """The sub-GraphModule an opaque local region runs (``gm.meta["fxshard_region"]``),
+    or a transformer block split out for FSDP2 (``gm.meta["fxshard_block"]``)."""
     if node.op != "call_module":
         return None
     sub = gm.get_submodule(node.target)
-    return sub if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target else None
+    if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target:
+        return sub
+    return block_module(gm, node)
 
 
 def _join(prefix: str, fqn: str) -> str:
@@ -268,6 +281,11 @@ def _calls(node: fx.Node) -> list[tuple]:
     node runs, forward then backward."""
     meta = node.meta.get(KEY)
     coll = getattr(meta, "collective", None)
+    if coll is not None and coll.op == "grad_sync_bucket":  # one flat buffer of all members
+        members = [_tensor(a) for a in node.args[0]]
+        flat = TensorInfo({}, (sum(math.prod(m.shape) for m in members),), (sum(math.prod(m.local_shape) for m in members),),
+                          members[0].dtype)
+        return [("backward", "all_reduce", coll.axis, flat, coll.op, coll.purpose)]
     if coll is not None:
         src, out = _tensor(node.args[0] if node.args else None), _tensor(node)
         buffers = [v for v in (src, out) if v is not None]
@@ -380,7 +398,11 @@ def _differentiable(node: fx.Node) -> bool:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             return val.dtype.is_floating_point or val.dtype.is_complex
-        return val is None and node.op != "placeholder"  # nothing recorded (inside a local region): assume it may
+        local = getattr(node.meta.get(KEY), "extra", {}).get("local")  # inside a local region: one run on zeros
+        if local is not None:
+            return local[1].is_floating_point or local[1].is_complex
+        # nothing recorded (a region's input added after that run): the caller's argument decides
+        return val is None
     return any(t.dtype.is_floating_point or t.dtype.is_complex for t in infos)
 
 

@@ -13,6 +13,7 @@ graph that communicates, the calls and bytes of one step forward and backward
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import torch.fx as fx
@@ -46,6 +47,51 @@ def _short_source(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line}" if path else loc
 
 
+def block_module(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The transformer block (a sub-GraphModule made for FSDP2, ``passes/split_blocks``)
+    that ``node`` calls, if it is such a call."""
+    if node.op != "call_module":
+        return None
+    sub = gm.get_submodule(node.target)
+    return sub if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_block") == node.target else None
+
+
+def flat_nodes(gm: fx.GraphModule):
+    """The graph's nodes, with each block call replaced by the block's own nodes (its
+    inputs and output left out): the graph as the passes saw it."""
+    for node in gm.graph.nodes:
+        sub = block_module(gm, node)
+        if sub is None:
+            yield node
+        else:
+            yield from (n for n in flat_nodes(sub) if n.op not in ("placeholder", "output"))
+
+
+def block_links(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Across the calls of blocks split out for FSDP2: a block's input is the caller's
+    argument, a block's call (or its ``getitem``) is the value the block returns."""
+    links: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        sub = block_module(gm, node)
+        if sub is None:
+            continue
+        links.update(block_links(sub))
+        inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        links.update({ph: arg for ph, arg in zip(inner, node.args) if isinstance(arg, fx.Node)})
+        out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        if isinstance(out, fx.Node):
+            links[node] = out
+        else:
+            for user in node.users:
+                if user.target is operator.getitem and isinstance(out[user.args[1]], fx.Node):
+                    links[user] = out[user.args[1]]
+    for a, b in list(links.items()):  # chains: a block's input that is another block's output
+        while b in links:
+            b = links[b]
+        links[a] = b
+    return links
+
+
 def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, recursive: bool = False) -> str:
     """The transformed graph as a text table (see module docstring).
 
@@ -53,16 +99,17 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, rec
     to show only the nodes of matching modules.  ``recursive``: also dump the graph of
     every local region (a ``call_module`` of a sub-GraphModule, e.g. an MoE block),
     after the table, with its collectives (the expert-parallel all-to-alls).
+    Transformer blocks split out for FSDP2 are shown inline, one row per node.
     """
     axes = list(gm.meta.get("fxshard_mesh") or {})
     if not axes:
-        axes = sorted({a for n in gm.graph.nodes for a in (getattr(n.meta.get(KEY), "value", None).layout
+        axes = sorted({a for n in flat_nodes(gm) for a in (getattr(n.meta.get(KEY), "value", None).layout
                        if isinstance(getattr(n.meta.get(KEY), "value", None), TensorInfo) else {})})
     rx = None
     if region is not None:
         rx = _pattern_regex(region[:-2]) if region.endswith(".*") else _pattern_regex(region)
     rows = []
-    for node in gm.graph.nodes:
+    for node in flat_nodes(gm):
         meta = node.meta.get(KEY)
         reg = module_path(node)
         if rx is not None and not any(rx.match(p) for p in _prefixes(reg)):
@@ -76,7 +123,7 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, rec
                      _short_source(node) if source else ""])
     header = ["   node", "op", "target", *axes, "local", "global", "dtype", "module", "source" if source else ""]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    colls = [n for n in gm.graph.nodes if n.meta.get(KEY) and n.meta[KEY].collective]
+    colls = [n for n in flat_nodes(gm) if n.meta.get(KEY) and n.meta[KEY].collective]
     counts: dict[str, int] = {}
     for n in colls:
         c = n.meta[KEY].collective
@@ -100,6 +147,10 @@ def _dump_regions(gm: fx.GraphModule, rx, region, source: bool) -> list[str]:
     """The dumps of the local regions (sub-GraphModules) the graph calls."""
     out = []
     for node in gm.graph.nodes:
+        block = block_module(gm, node)
+        if block is not None:
+            out += _dump_regions(block, rx, region, source)
+            continue
         if node.op != "call_module" or (rx is not None and not any(rx.match(p) for p in _prefixes(node.target))):
             continue
         sub = gm.get_submodule(node.target)

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .comm import in_region
-from .dump import _short_source, module_path
+from .dump import _short_source, block_links, flat_nodes, module_path
 from .layout import dtype_short, fmt_placement, target_name
 from .meta import KEY, SizeInfo, TensorInfo
 
@@ -77,7 +77,7 @@ def _jsonable(v):
 
 
 def _included(gm: fx.GraphModule, region: str | None) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if in_region(module_path(n), region)]
+    return [n for n in flat_nodes(gm) if in_region(module_path(n), region)]
 
 
 def node_records(gm: fx.GraphModule, region: str | None = None) -> list[dict]:
@@ -103,7 +103,9 @@ def node_records(gm: fx.GraphModule, region: str | None = None) -> list[dict]:
 def edge_records(gm: fx.GraphModule, region: str | None = None) -> list[tuple[str, str]]:
     """``(producer, consumer)`` node names, one per data dependency between included nodes."""
     keep = set(_included(gm, region))
-    return [(a.name, n.name) for n in gm.graph.nodes if n in keep for a in n.all_input_nodes if a in keep]
+    links = block_links(gm)  # across the calls of blocks split out for FSDP2
+    return [(links.get(a, a).name, n.name) for n in flat_nodes(gm) if n in keep for a in n.all_input_nodes
+            if links.get(a, a) in keep]
 
 
 # --------------------------------------------------------------------------- JSON / networkx

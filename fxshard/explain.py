@@ -30,12 +30,13 @@ syncs and collectives on other axes keep the layout and are walked through.
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from .dump import module_path
+from .dump import block_links, flat_nodes, module_path
 from .errors import source_line
 from .layout import dtype_short, fmt_placement, fmt_shape, target_name
 from .meta import KEY, SizeInfo, TensorInfo
@@ -57,6 +58,7 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
     steps back each chain goes before it says where to continue.
     """
     target = _find(gm, node)
+    links = block_links(gm)
     value = _value(target)
     axes = list(gm.meta.get("fxshard_mesh") or {}) or (list(value.layout) if isinstance(value, TensorInfo) else [])
     if axis is not None:
@@ -71,7 +73,7 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
     for a in axes:
         lines.append("")
         lines.append(f"{a}={_layout(target, a)} because:")
-        lines += _Walk(a, max_depth).tree(target)
+        lines += _Walk(a, max_depth, links).tree(target)
     return "\n".join(lines)
 
 
@@ -79,11 +81,12 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
 
 
 def _find(gm: fx.GraphModule, node) -> fx.Node:
+    nodes = list(flat_nodes(gm))  # the nodes of transformer blocks split out for FSDP2 too
     if isinstance(node, fx.Node):
-        if node.graph is not gm.graph:
+        if node not in nodes:
             raise ValueError(f"fxshard.explain: node {node.name!r} is not a node of this GraphModule")
         return node
-    names = {n.name: n for n in gm.graph.nodes}
+    names = {n.name: n for n in nodes}
     if node in names:
         return names[node]
     close = difflib.get_close_matches(str(node), list(names), n=5, cutoff=0.5)
@@ -115,9 +118,11 @@ def _sharded(node: fx.Node, axis: str) -> bool:
     return any(not isinstance(t.layout.get(axis, Replicate()), Replicate) for t in infos)
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """Inputs that are tensors (or tuples of tensors); ints read from shapes are not followed."""
-    return [a for a in node.all_input_nodes if _layout(a, "") is not None]
+def _tensor_inputs(node: fx.Node, links: dict | None = None) -> list[fx.Node]:
+    """Inputs that are tensors (or tuples of tensors); ints read from shapes are not followed.
+    ``links``: across block calls (:func:`fxshard.dump.block_links`)."""
+    inputs = [(links or {}).get(a, a) for a in node.all_input_nodes]
+    return [a for a in inputs if _layout(a, "") is not None]
 
 
 def _pattern(node: fx.Node) -> str | None:
@@ -202,7 +207,8 @@ def _no_layout_reason(node: fx.Node) -> str:
 class _Walk:
     """Depth-first walk back from a node on one axis, printed as a tree."""
 
-    def __init__(self, axis: str, max_depth: int):
+    def __init__(self, axis: str, max_depth: int, links: dict | None = None):
+        self.links = links or {}
         self.axis = axis
         self.max_depth = max_depth
         self.seen: set[fx.Node] = set()
@@ -238,11 +244,18 @@ class _Walk:
             return self._parameter(node, rule), []
         if coll is not None:
             return self._collective(node, coll, rule)
+        bucket = node.args[0] if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node) else None
+        bucket_coll = getattr(_meta(bucket), "collective", None) if bucket is not None else None
+        if bucket_coll is not None and bucket_coll.op == "grad_sync_bucket":
+            src = bucket.args[0][node.args[1]]
+            where = f" on {bucket_coll.axis!r}" if bucket_coll.axis != self.axis else ""
+            return (f"grad sync in bucket {bucket.name}{where}: identity forward, its gradient all-reduced with the "
+                    f"bucket's others (layout unchanged)", [self.links.get(src, src)])
         if node.op == "call_module" and rule and rule.startswith("local region"):
             pattern = _pattern(node)
             entry = f", plan entry {pattern!r}" if pattern else ""
             return f"declared: output of the local region {node.target!r} (out_src{entry}); it runs on local tensors", []
-        inputs = _tensor_inputs(node)
+        inputs = _tensor_inputs(node, self.links)
         seen_by = ", ".join(f"{a.name} {_layout(a, self.axis)}" for a in inputs)
         why = f"{_rule_text(node, rule)}" + (f" of ({seen_by})" if inputs else "")
         carriers = [a for a in inputs if _sharded(a, self.axis)]
@@ -257,6 +270,9 @@ class _Walk:
         pattern = _pattern(node)
         region = getattr(_meta(node), "region", None)
         target = str(node.target)
+        owner, _, leaf = target.rpartition(".")
+        if region and owner and not target.startswith(region + ".") and region.endswith("." + owner):
+            target = f"{region}.{leaf}"  # read inside a block split out for FSDP2: relative to the block
         if rule not in _LEAF_RULES and rule:
             return f"made by the `{rule}` rewrite (a buffer fxshard adds; same code on every rank)"
         if _sharded(node, self.axis) and pattern:
@@ -268,13 +284,19 @@ class _Walk:
 
     def _collective(self, node: fx.Node, coll, rule: str | None) -> tuple[str, list[fx.Node]]:
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if coll.axis == self.axis and coll.op != "grad_sync":
+        src = self.links.get(src, src)
+        if coll.axis == self.axis and coll.op not in ("grad_sync", "grad_sync_bucket"):
             pattern = _pattern_of_region(node)
             where = coll.purpose or "a module boundary"
             entry = f", plan entry {pattern!r}" if pattern else ""
             came = f"{src.name} {_layout(src, self.axis)}" if src is not None else "?"
             return (f"declared: plan boundary ({where}{entry}): {coll.op} turns {came} into "
                     f"{_layout(node, self.axis)}", [])
+        if coll.op == "grad_sync_bucket":
+            what = f"grad sync bucket ({coll.purpose}): identity forward, one all-reduce of the gradients"
+            if coll.axis != self.axis:
+                what += f" on {coll.axis!r}"
+            return what + " (layouts unchanged)", []
         if coll.op == "grad_sync":
             what = "grad sync: identity forward, all-reduces the gradient"
             if coll.axis != self.axis:

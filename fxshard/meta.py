@@ -11,7 +11,8 @@ field              meaning                                             written b
 ``rule``           name of the layout rule that produced ``value``     propagate
 ``redistribute``   ``(src, dst)`` layouts on a boundary marker         propagate
 ``rewrite``        name of a specialized rewrite the node needs        propagate
-``collective``     :class:`Collective` on a communication node         redistribute, grad_sync
+``collective``     :class:`Collective` on a communication node         redistribute, grad_sync,
+                                                                       bucket_grad_syncs
 =================  ==================================================  =============
 
 ``declared`` is a complete layout on ``get_attr`` and ``placeholder`` nodes, a

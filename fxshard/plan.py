@@ -244,14 +244,24 @@ class Plan:
             "layers.*.attention.wo": fxshard.rowwise(),
         }, inputs={"tokens": {"dp": Shard(0)}})
 
+    ``fsdp="dp"`` gives that axis to FSDP2 (:func:`fxshard.fully_shard`): fxshard adds
+    no gradient sync on it, its gradients follow FSDP2's convention (the mean over the
+    axis of each rank's gradient, so a per-rank mean loss trains on the global mean),
+    and the transformed module calls one submodule per transformer block.
+
     Validated on construction against the mesh (unknown axes, malformed layouts);
     patterns, parameter names and divisibility are checked against the model by
     ``fxshard.transform``.
     """
 
-    def __init__(self, mesh: Mesh, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None):
+    def __init__(self, mesh: Mesh, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
+                 *, fsdp: str | None = None):
         self.mesh = mesh
         self.axes = mesh_shape(mesh)
+        if fsdp is not None and fsdp not in self.axes:
+            raise PlanError(f"Plan(fsdp={fsdp!r}): {fsdp!r} is not an axis of the mesh, whose axes are {list(self.axes)}; "
+                            f"name the data-parallel axis that FSDP2 shards over")
+        self.fsdp = fsdp
         self.specs: dict[str, ModuleSpec] = dict(specs or {})
         self.inputs: dict[str, dict] = {}
         for name, layout in (inputs or {}).items():
@@ -303,13 +313,24 @@ class Plan:
 
     # -- data-like behaviour -------------------------------------------------------------
     def __eq__(self, other) -> bool:
-        return isinstance(other, Plan) and self.axes == other.axes and self.specs == other.specs and self.inputs == other.inputs
+        return (isinstance(other, Plan) and self.axes == other.axes and self.specs == other.specs and self.inputs == other.inputs
+                and self.fsdp == other.fsdp)
+
+    def replace(self, *, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
+                fsdp: str | None = None) -> "Plan":
+        """A copy with the given fields replaced (the others kept).
+
+        Example: ``Plan.from_hf(mesh, model).replace(inputs={"input_ids": {"dp": Shard(0)}}, fsdp="dp")``
+        """
+        return type(self)(self.mesh, self.specs if specs is None else specs, self.inputs if inputs is None else inputs,
+                          fsdp=self.fsdp if fsdp is None else fsdp)
 
     def __repr__(self) -> str:
         mesh = ", ".join(f"{a}={n}" for a, n in self.axes.items())
         lines = [f"Plan(mesh({mesh}), {{"]
         lines += [f"    {p!r}: {s!r}," for p, s in self.specs.items()]
-        lines.append("}" + (f", inputs={{{', '.join(f'{k!r}: {fmt_layout(v)}' for k, v in self.inputs.items())}}}" if self.inputs else "") + ")")
+        lines.append("}" + (f", inputs={{{', '.join(f'{k!r}: {fmt_layout(v)}' for k, v in self.inputs.items())}}}" if self.inputs else "")
+                     + (f", fsdp={self.fsdp!r}" if self.fsdp else "") + ")")
         return "\n".join(lines)
 
     # -- conversion from transformers' plans ------------------------------------------------
@@ -335,7 +356,7 @@ class Plan:
         from .frontend.hf_plan import plan_from_hf  # duck-typed on the model: transformers is never imported
 
         plan = plan_from_hf(mesh, model, axis=axis, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs)
+        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs, fsdp=plan.fsdp)
 
     # -- conversion from torch.distributed.tensor.parallel ---------------------------------
     @classmethod
@@ -406,7 +427,7 @@ class Plan:
         from .frontend.torchtitan_plan import plan_from_torchtitan  # torchtitan is optional: import it on use
 
         plan = plan_from_torchtitan(mesh, model, **kw)
-        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs)
+        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs, fsdp=plan.fsdp)
 
 
 def _is_layout(v, axes: Mapping[str, int]) -> bool:

@@ -32,9 +32,10 @@ R = Replicate()
 class Ctx:
     """What a rule sees: the node, the mesh axes, argument infos and the global output value."""
 
-    def __init__(self, node: fx.Node, axes: dict[str, int]):
+    def __init__(self, node: fx.Node, axes: dict[str, int], fsdp_axes: tuple[str, ...] = ()):
         self.node = node
         self.axes = axes
+        self.fsdp_axes = fsdp_axes  # axes whose gradients FSDP2 averages (Plan(fsdp=...))
         self.val = node.meta.get("val")
 
     # -- arguments ---------------------------------------------------------------------
@@ -605,14 +606,18 @@ def cross_entropy(ctx: Ctx):
             td = px.dim if px.dim < class_dim else px.dim - 1
             if pt != Shard(td):
                 raise ctx.fail(f"logits are sharded on dim {px.dim} but targets are {fmt_placement(pt)} on {axis!r}", "shard logits and targets on the same batch dim")
+            if reduction_ == "mean" and axis in ctx.fsdp_axes:
+                # FSDP2's convention: the objective is the mean over the axis of each rank's loss
+                return Partial("avg")
             if reduction_ == "mean":
                 # the mean over all targets is not the mean of the ranks' means: they count different
                 # numbers of targets once ignore_index (HF's -100 padding) or class weights enter
                 raise ctx.fail(f"a mean cross-entropy over logits sharded on batch dim {px.dim} on {axis!r}: each rank would "
                                f"average over its own targets, and the mean of those means is not the mean over all "
                                f"targets when ranks count different numbers of them (ignore_index, class weights)",
-                               "use reduction='sum' and divide by the global number of targets, or compute the loss "
-                               "outside the graph on each rank's output")
+                               "use reduction='sum' and divide by the global number of targets, compute the loss "
+                               "outside the graph on each rank's output, or give the axis to FSDP2 (Plan(..., "
+                               f"fsdp={axis!r}), whose convention is the mean of the ranks' losses)")
             return {"none": Shard(td), "sum": Partial()}[reduction_]
         if not isinstance(pt, Replicate):
             raise ctx.fail(f"targets are sharded on {axis!r} but logits are Replicate", "shard logits and targets the same way")
@@ -932,9 +937,16 @@ def getitem(ctx: Ctx):
             # each rank gathers the entries of its own index shard: a shard of the result only for one
             # index tensor into a Replicate tensor (the index dims replace the indexed dim in place)
             (it, ti) = sharded_index[0]
-            if (len(index_tensors) == 1 and len(advanced) == 1 and isinstance(p, Replicate)
-                    and isinstance(ti.layout[axis], Shard) and ti.dtype is not torch.bool):
-                return Shard(advanced_out[0] + ti.layout[axis].dim)
+            if (len(sharded_index) == 1 and len(advanced) == len(index_tensors) and isinstance(p, Replicate)
+                    and isinstance(ti.layout[axis], Shard) and all(t.dtype is not torch.bool for _, t in index_tensors)):
+                # the index tensors broadcast together (HF's mask: cumsum[batch_idx, kv_idx]); the others must
+                # not vary along the sharded dim, and the broadcast dims stand where the indices were when
+                # they are adjacent, else in front
+                nb = max(len(t.shape) for _, t in index_tensors)
+                bd = nb - len(ti.shape) + ti.layout[axis].dim
+                if all(len(t.shape) - nb + bd < 0 or t.shape[len(t.shape) - nb + bd] == 1 for o, t in index_tensors if o is not it):
+                    adjacent = advanced == list(range(advanced[0], advanced[0] + len(advanced)))
+                    return Shard((advanced_out[0] if adjacent else 0) + bd)
             raise ctx.fail(f"indexing with `{it.name}`, which is {fmt_placement(ti.layout[axis])} on {axis!r}, into a "
                            f"{fmt_placement(p)} tensor", "make the index Replicate")
         if isinstance(p, Replicate) or isinstance(p, Partial):
@@ -1006,7 +1018,16 @@ def factory(ctx: Ctx):
     """torch.arange/zeros/ones/full/empty: a new tensor, Replicate, sized by literals or
     by sizes every rank sees alike.  A size of a sharded dim (each rank's local size)
     would build a local tensor that is not the single-device one laid out Replicate
-    (``arange(local_t)`` gives the first positions, not this rank's), so it is refused."""
+    (``arange(local_t)`` gives the first positions, not this rank's), so it is refused --
+    except ``arange(n)`` with ``n`` the size of a dim sharded on one axis (HF's mask
+    builder: ``torch.arange(batch_size)``): that is ``Shard(0)`` there, and ``localize``
+    adds this rank's offset (``rewrite = "arange_offset"``)."""
+    if ctx.node.target is torch.arange and len(ctx.node.args) == 1 and isinstance(ctx.node.args[0], fx.Node):
+        axes = _number_axes(ctx.node.args[0])
+        if axes is not None and len(axes) == 1 and isinstance(ctx.val, torch.Tensor):
+            ctx.node.meta[KEY].rewrite = "arange_offset"
+            (axis,) = axes
+            return {a: Shard(0) if a == axis else R for a in ctx.axes}
     for a in _flat(ctx.node.args, ctx.node.kwargs):
         if isinstance(a, fx.Node) and (isinstance(ctx.info_of(a), SizeInfo) or _is_number_node(a)):
             axes = _number_axes(a)

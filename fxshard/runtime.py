@@ -18,7 +18,9 @@ op                              forward             backward
                                                     reduce-scatter (grad P)
 ``shard``        R -> S(d)      local chunk         all-gather
 ``all_to_all``   S(i) -> S(j)   all-to-all          all-to-all back
-``grad_sync``                   identity            all-reduce (sum)
+``grad_sync``                   identity            all-reduce (sum or avg)
+``grad_sync_bucket``            identity            one all-reduce of all the
+                                                    gradients, flattened
 ==============================  ==================  ==========================
 
 Communication goes through ``torch.ops._c10d_functional`` (followed by
@@ -48,6 +50,7 @@ __all__ = [
     "shard",
     "all_to_all",
     "grad_sync",
+    "grad_sync_bucket",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -285,13 +288,39 @@ class _AllToAll(torch.autograd.Function):
 
 class _GradSync(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ax):
-        ctx.ax = ax
+    def forward(ctx, x, ax, op):
+        ctx.ax, ctx.op = ax, op
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return _raw_all_reduce(g, ctx.ax), None
+        g = _raw_all_reduce(g, ctx.ax)
+        return (g / ctx.ax.size if ctx.op == "avg" else g), None, None
+
+
+class _GradSyncBucket(torch.autograd.Function):
+    """Identity on several tensors; backward all-reduces their gradients as one flat
+    buffer.  Autograd runs it once every output's gradient is complete, as DDP fires a
+    bucket once its last gradient is ready."""
+
+    @staticmethod
+    def forward(ctx, ax, op, *xs):
+        ctx.ax, ctx.op = ax, op
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        # mixed precision (FSDP2's param_dtype) may hand gradients of several dtypes:
+        # reduce in the widest one, return each in its own
+        dtype = gs[0].dtype
+        for g in gs[1:]:
+            dtype = torch.promote_types(dtype, g.dtype)
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in gs])
+        flat = _raw_all_reduce(flat, ctx.ax)
+        if ctx.op == "avg":
+            flat = flat / ctx.ax.size
+        parts = flat.split([g.numel() for g in gs])
+        return (None, None) + tuple(p.view(g.shape).to(g.dtype) for p, g in zip(parts, gs))
 
 
 # --------------------------------------------------------------------------- public ops
@@ -386,16 +415,35 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
     return _AllToAll.apply(x, ax, src, dst)
 
 
-def grad_sync(x: torch.Tensor, axis: str) -> torch.Tensor:
+def grad_sync(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
     """Gradient sync on ``axis``: the value's gradient is ``Partial`` there.
 
     Forward: identity, no communication.  Backward: all-reduce (sum) of the
-    gradient, so every rank gets the full gradient (Megatron's "copy to region").
+    gradient, so every rank gets the full gradient (Megatron's "copy to region");
+    ``op="avg"``: the mean over the axis (FSDP2's convention on its axis).
     """
+    _check_op(op, "grad_sync")
     ax = _comm_axis(axis, "grad_sync")
     if ax.size == 1:
         return x
-    return _GradSync.apply(x, ax)
+    return _GradSync.apply(x, ax, op)
+
+
+def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum") -> tuple[torch.Tensor, ...]:
+    """Gradient sync of several tensors on ``axis`` with one collective (a bucket).
+
+    Forward: identity on each tensor, no communication.  Backward: the gradients are
+    flattened into one buffer and all-reduced together (``op="sum"``, or ``"avg"``:
+    the mean over the axis), once all of them are complete; each is then the same
+    as after its own :func:`grad_sync`.
+
+    Example: ``norm_w, ffn_norm_w = fxshard.grad_sync_bucket([norm_w, ffn_norm_w], "tp")``
+    """
+    _check_op(op, "grad_sync_bucket")
+    ax = _comm_axis(axis, "grad_sync_bucket")
+    if ax.size == 1 or not xs:
+        return tuple(xs)
+    return _GradSyncBucket.apply(ax, op, *xs)
 
 
 torch.fx.wrap("axis_size")
@@ -405,9 +453,10 @@ torch.fx.wrap("all_gather")
 torch.fx.wrap("shard")
 torch.fx.wrap("all_to_all")
 torch.fx.wrap("grad_sync")
+torch.fx.wrap("grad_sync_bucket")
 
 # Generated code names these ops by their qualified name: ``fxshard.all_reduce`` reads
 # as ``fxshard_all_reduce(x, 'tp')`` in ``gm.code`` (the package re-exports them).
-for _op in (all_reduce, reduce_scatter, all_gather, shard, all_to_all, grad_sync):
+for _op in (all_reduce, reduce_scatter, all_gather, shard, all_to_all, grad_sync, grad_sync_bucket):
     _op.__module__ = "fxshard"
 del _op

@@ -4,12 +4,16 @@ Example::
 
     sd = fxshard.full_state_dict(sharded)      # collective: every rank gets full tensors
     fxshard.load_full_state_dict(sharded, sd)  # every rank keeps its slice
+
+On a module that FSDP2 also sharded (:func:`fxshard.fully_shard`), a parameter is a
+``DTensor`` over the FSDP axis whose local tensor is fxshard's shard: it is gathered
+over that axis first, then over fxshard's axes (and sliced the other way round).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import runtime
 from .passes.shard_state import local_slice
@@ -31,6 +35,8 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     for fqn, t in gm.state_dict().items():
         layout, shape = layouts.get(fqn, (None, None))
         t = t.detach()
+        if isinstance(t, DTensor):  # FSDP2's shard of fxshard's shard
+            t = t.full_tensor()
         if layout is not None:
             for axis, p in reversed(list(layout.items())):  # innermost axis first
                 if isinstance(p, Shard):
@@ -62,4 +68,8 @@ def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor]
             layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
             if tuple(full.shape) != tuple(shape):
                 raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, expected the global shape {tuple(shape)}")
-            t.copy_(local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn)) if layout is not None else full)
+            mine = local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn)) if layout is not None else full
+            if isinstance(t, DTensor):  # FSDP2's shard of it: sliced locally, the same on every rank
+                mine = distribute_tensor(mine.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None).to_local()
+                t = t.to_local()
+            t.copy_(mine)

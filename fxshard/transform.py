@@ -30,12 +30,17 @@ from .passes.vocab_parallel_embedding import vocab_parallel_embedding
 from .passes.loss_parallel import loss_parallel
 from .passes.redistribute import redistribute
 from .passes.grad_sync import grad_sync
+from .passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
 from .passes.shard_state import shard_state
 from .passes.cleanup import cleanup
+from .passes.split_blocks import block_of, split_blocks
+from .fsdp import require_fully_shard
+from .plan import _pattern_regex
 
 
 def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None,
-              example_kwargs: dict | None = None, *, capture: str = "auto", dynamic_shapes=None) -> fx.GraphModule:
+              example_kwargs: dict | None = None, *, capture: str = "auto", dynamic_shapes=None,
+              bucket_cap_mb: float | None = DEFAULT_CAP_MB, blocks: str | None = None) -> fx.GraphModule:
     """Rewrite a model into the per-rank program of ``plan``; returns a new GraphModule.
 
     Example::
@@ -56,14 +61,21 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     one from plain ``torch.fx.symbolic_trace`` (then example inputs are required).
     ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The input is never mutated, also when the transform fails.  The
     plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
+    ``bucket_cap_mb``: gradient syncs of replicated parameters are coalesced into
+    all-reduces of at most this many MiB (DDP's default, 25); ``None`` or ``0``: one
+    per parameter.  With ``Plan(fsdp="dp")`` the result calls one submodule per
+    transformer block (items of module lists, or the modules ``blocks`` matches, e.g.
+    ``"layers.*"``) for :func:`fxshard.fully_shard`, and buckets stay within a block.
     """
     with _gc_paused(), _only_plan_errors():
         with maybe_disable_local_tensor_mode():
             gm = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
             axes = plan.axes
+            fsdp_axes = (plan.fsdp,) if plan.fsdp else ()
+            block_rx = _pattern_regex(blocks) if blocks else None
             normalize(gm, plan)
             regions(gm, plan)
-            propagate(gm, axes)
+            propagate(gm, axes, fsdp_axes)
             localize(gm, axes)
             local_regions(gm, axes)
             expert_parallel(gm)
@@ -71,11 +83,17 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             vocab_parallel_embedding(gm, axes)
             loss_parallel(gm)
             redistribute(gm, axes)
-            grad_sync(gm)
+            grad_sync(gm, fsdp_axes)
+            # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
+            bucket_grad_syncs(gm, int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
+                              (lambda n: block_of(n, block_rx)) if plan.fsdp else (lambda n: ""))
         runtime.bind_mesh(plan.mesh)
         shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
         cleanup(gm)
-    gm.meta["fxshard_mesh"] = dict(axes)
+        gm.meta["fxshard_mesh"] = dict(axes)
+        if plan.fsdp:
+            split_blocks(gm, block_rx)
+            require_fully_shard(gm, plan.fsdp)
     return gm
 
 

@@ -14,6 +14,12 @@ the sync is folded into the gather (``grad="partial"``: its backward reduce-scat
 instead of all-reducing then chunking), which makes sequence parallelism as cheap
 as Megatron's.
 
+On an axis given to FSDP2 (``Plan(fsdp=...)``) FSDP2 averages every parameter's
+gradient over the axis, so no sync is added there: the chain rule is linear in the
+incoming gradient, so a parameter's mean over the ranks of its unsynced gradients is
+the right one.  Only a value whose gradient can reach a floating-point graph input
+(which no FSDP2 hook averages) gets a ``grad_sync(x, axis, "avg")`` there.
+
 Reads:  ``.value`` (layouts, requires_grad), ``.collective``.
 Writes: ``grad_sync`` nodes with ``.collective``; ``grad="partial"`` on folded gathers.
 """
@@ -43,16 +49,35 @@ def _needs(value: fx.Node, consumer: fx.Node) -> tuple[str, ...]:
     if info(consumer).collective is not None:
         return ()
     outs = _out_layouts(consumer)
+    done, x = set(), value  # axes a chain of syncs above already covers (a lifted region parameter)
+    while isinstance(x, fx.Node) and info(x).collective is not None and info(x).collective.op == "grad_sync":
+        done.add(info(x).collective.axis)
+        x = x.args[0]
     return tuple(a for a, p in v.layout.items()
-                 if isinstance(p, Replicate) and any(not isinstance(o[a], Replicate) for o in outs))
+                 if a not in done and isinstance(p, Replicate) and any(not isinstance(o[a], Replicate) for o in outs))
 
 
-def grad_sync(gm: fx.GraphModule) -> fx.GraphModule:
+def _from_float_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a floating-point graph input."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        v = info(n).value
+        if n.op == "placeholder" and isinstance(v, TensorInfo) and (v.dtype.is_floating_point or v.dtype.is_complex):
+            out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def grad_sync(gm: fx.GraphModule, fsdp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
     """Insert gradient syncs on replicated-to-sharded consumer edges (in place)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    from_inputs = _from_float_inputs(graph) if fsdp_axes else set()
     for value in list(graph.nodes):
         needs = {c: _needs(value, c) for c in list(value.users)}
+        if fsdp_axes:  # FSDP2 averages the parameters' gradients on these axes
+            needs = {c: tuple(a for a in axes if a not in fsdp_axes or value in from_inputs) for c, axes in needs.items()}
         needs = {c: axes for c, axes in needs.items() if axes}
         if not needs:
             continue
@@ -69,7 +94,8 @@ def grad_sync(gm: fx.GraphModule) -> fx.GraphModule:
                 key = prefix + (axis,)
                 if key not in synced:
                     with graph.inserting_before(consumer):
-                        s = graph.call_function(runtime.grad_sync, (synced[prefix], axis))
+                        s = graph.call_function(runtime.grad_sync, (synced[prefix], axis),
+                                                {"op": "avg"} if axis in fsdp_axes else {})
                     m = info(s)
                     m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {value.name}")
                     m.value, m.region, m.rule = info(value).value, info(consumer).region, "grad sync"

@@ -14,10 +14,12 @@ A local region (``ModuleSpec(local=True)``, ``fxshard.expert_parallel``) is one
   in place of its forward).
 
 Replicated parameters of the region get their gradients summed over the axes on
-which the region's input is sharded (the grad-sync rule outside regions): in a
-carved graph a ``grad_sync`` node follows their ``get_attr``; a parameter used only
-inside a leaf child, or in a region that runs as is, enters that module's forward
-through ``grad_sync`` (the module's class gains a forward wrapper, see
+which the region's input is sharded (the grad-sync rule outside regions).  One the
+carved graph reads (a ``get_attr``) becomes an input of the carved graph: the outer
+graph reads the parameter, passes it through ``grad_sync`` and hands it to the call,
+so that its sync is bucketed with the others (``bucket_grad_syncs``).  A parameter
+used only inside a leaf child, or in a region that runs as is, enters that module's
+forward through ``grad_sync`` (the module's class gains a forward wrapper, see
 :func:`fxshard.moe.with_grad_sync`).
 
 A ``compute`` function is checked against the module's forward
@@ -28,7 +30,8 @@ its parameters.  Module-list experts (``router=``) become an
 Reads:  ``.declared`` (:class:`~fxshard.meta.LocalRegion`) and ``.value`` of the
         region's inputs.
 Writes: the region's submodule; in a carved graph every node's ``.region``, the
-        ``.value`` of ``get_attr`` nodes, ``grad_sync`` nodes with ``.collective``,
+        ``.value`` of ``get_attr`` nodes; in the outer graph the ``get_attr`` and
+        ``grad_sync`` nodes (with ``.collective``) of lifted parameters,
         ``nn_module_stack`` with absolute FQNs; ``gm.meta["fxshard_mesh"]`` of the
         carved graph; ``.extra["region"]`` = ``"carved"`` or ``"as is: <why>"`` on
         the region's node.
@@ -61,6 +64,7 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         module = gm.get_submodule(node.target)
         if isinstance(module, fx.GraphModule) and module.meta.get("fxshard_region") == region.fqn:
             info(node).extra["region"] = "carved"  # a module called twice: carved at its first call
+            _pass_lifted(gm, node, region, module.meta["fxshard_lifted"], axes)
             continue
         forward = _forward(node, module, region)
         syncs = _grad_syncs(gm, node, region)
@@ -80,8 +84,10 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         _record_local_shapes(carved, node)
         if region.experts is not None and _outline_experts(carved, region):
             _record_local_shapes(carved, node)
-        _sync_in_graph(carved, region, syncs)
+        lifted = _sync_in_graph(carved, region, syncs)
         _annotate(carved, region, axes)
+        carved.meta["fxshard_lifted"] = lifted
+        _pass_lifted(gm, node, region, lifted, axes)
         _set_submodule(gm, node.target, carved)
         info(node).extra["region"] = "carved"
     return gm
@@ -250,26 +256,43 @@ def _grad_syncs(gm: fx.GraphModule, node: fx.Node, region: LocalRegion) -> dict[
     return syncs
 
 
-def _sync_in_graph(carved: fx.GraphModule, region: LocalRegion, syncs: dict[str, tuple[str, ...]]) -> None:
-    """``grad_sync`` after each ``get_attr`` of a parameter that needs it; parameters
-    used only inside a leaf child enter that child's forward through ``grad_sync``."""
+def _sync_in_graph(carved: fx.GraphModule, region: LocalRegion, syncs: dict[str, tuple[str, ...]]) -> list[tuple[str, tuple[str, ...], str]]:
+    """Parameters the carved graph reads (``get_attr``) and whose gradients need a sync
+    become inputs of the carved graph (returned as ``(FQN, axes, input name)``: the
+    caller passes them synced, by name); those of module-list experts, which live on one
+    rank each, get a ``grad_sync`` in the carved graph; parameters used only inside a
+    leaf child enter that child's forward through ``grad_sync``."""
     graph = carved.graph
     done = set()
+    lifted: list[tuple[str, tuple[str, ...]]] = []
+    last_input = next((n for n in reversed(graph.nodes) if n.op == "placeholder"), None)
     for node in list(graph.nodes):
         fqn = f"{region.fqn}.{node.target}" if node.op == "get_attr" else None
         if fqn not in syncs:
             continue
         done.add(fqn)
-        users = list(node.users)
-        x = node
-        for axis in syncs[fqn]:
-            with graph.inserting_after(x):
-                x = graph.call_function(runtime.grad_sync, (x, axis))
-            m = info(x)
-            m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {fqn}")
-            m.region = region.fqn
-        for user in users:
-            user.replace_input_with(node, x)
+        if any(fqn.startswith(child + ".") for child in region.owners):
+            # a module-list expert lives on one rank: the outer graph of the others cannot read it
+            users, x = list(node.users), node
+            for axis in syncs[fqn]:
+                with graph.inserting_after(x):
+                    x = graph.call_function(runtime.grad_sync, (x, axis))
+                m = info(x)
+                m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {fqn}")
+                m.region = region.fqn
+            for user in users:
+                user.replace_input_with(node, x)
+            continue
+        if last_input is None:
+            with graph.inserting_before(next(iter(graph.nodes))):
+                x = graph.placeholder(f"{node.name}_synced")
+        else:
+            with graph.inserting_after(last_input):
+                x = graph.placeholder(f"{node.name}_synced")
+        last_input = x
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+        lifted.append((fqn, syncs[fqn], x.target))
     leaf_syncs: dict[str, dict[str, tuple[str, ...]]] = {}
     leaves = {n.target for n in graph.nodes if n.op == "call_module"}
     for fqn, axes in syncs.items():
@@ -282,6 +305,37 @@ def _sync_in_graph(carved: fx.GraphModule, region: LocalRegion, syncs: dict[str,
     for owner, names in leaf_syncs.items():
         swap_forward(carved.get_submodule(owner), with_grad_sync(names))
     graph.lint()
+    return lifted
+
+
+def _pass_lifted(gm: fx.GraphModule, call: fx.Node, region: LocalRegion, lifted: list[tuple[str, tuple[str, ...], str]],
+                 axes: dict[str, int]) -> None:
+    """The outer graph reads each lifted parameter, syncs its gradient and passes it to
+    the region's call by the name of the carved graph's input."""
+    graph = gm.graph
+    extra = {}
+    for fqn, sync_axes, name in lifted:
+        t = gm.get_parameter(fqn)
+        layout = region.params[fqn]
+        value = TensorInfo(layout, tuple(t.shape), local_shape(t.shape, layout, axes), t.dtype, t.requires_grad)
+        with graph.inserting_before(call):
+            x = graph.get_attr(fqn)
+        _outer_meta(x, call, value, "parameter of a local region")
+        for axis in sync_axes:
+            with graph.inserting_before(call):
+                x = graph.call_function(runtime.grad_sync, (x, axis))
+            _outer_meta(x, call, value, "grad sync")
+            info(x).collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {fqn}")
+        extra[name] = x
+    call.kwargs = {**call.kwargs, **extra}
+
+
+def _outer_meta(node: fx.Node, call: fx.Node, value: TensorInfo, rule: str) -> None:
+    m = info(node)
+    m.value, m.rule, m.region = value, rule, info(call).region
+    node.meta["nn_module_stack"] = dict(call.meta.get("nn_module_stack") or {})
+    if call.meta.get("stack_trace"):
+        node.meta["stack_trace"] = call.meta["stack_trace"]
 
 
 # --------------------------------------------------------------------------- metadata

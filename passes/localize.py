@@ -8,8 +8,9 @@ dim sharded the same way as the dim they size; ``-1`` is left to infer.
 Reads:  ``.value`` (TensorInfo of results, SizeInfo of runtime sizes).
 Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
         ``new_*`` nodes and of ``split`` along a fused projection's sharded dim,
-        run-time bounds of slices and ``narrow``;
-        no metadata.
+        run-time bounds of slices and ``narrow``; after ``arange(n)`` of a sharded
+        size (``rewrite == "arange_offset"``) an ``add`` of this rank's offset (its
+        ``.value`` that of the arange).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from fxshard import runtime
 from fxshard.errors import node_error
 from fxshard.meta import SizeInfo, TensorInfo, info
 
@@ -54,6 +56,9 @@ def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
             continue
         out = info(node).value
         if not isinstance(out, TensorInfo):
+            continue
+        if info(node).rewrite == "arange_offset":
+            _arange_offset(gm.graph, node, out)
             continue
         if node.op == "call_method" and node.target == "unflatten" or node.target is torch.unflatten:
             _unflatten(node, out, axes)
@@ -140,6 +145,24 @@ def _slice_bounds(node, axes):
         new.append(it)
     if changed:
         node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
+
+
+def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo) -> None:
+    """``arange(n_local)`` counts from 0 on every rank; the single-device positions of
+    this rank's shard start at ``index_on_axis * n_local``."""
+    (axis,) = [a for a, p in out.layout.items() if isinstance(p, Shard)]
+    users = list(node.users)
+    with graph.inserting_after(node):
+        offset = graph.call_function(runtime.local_offset, (axis, node.args[0], node))
+    with graph.inserting_after(offset):
+        shifted = graph.call_function(operator.add, (node, offset))
+    for n, rule in ((offset, "rank offset"), (shifted, "arange offset")):
+        n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        info(n).region, info(n).rule = info(node).region, rule
+    info(shifted).value = out
+    shifted.meta["val"] = node.meta.get("val")
+    for u in users:
+        u.replace_input_with(node, shifted)
 
 
 def _narrow_bounds(node, axes):

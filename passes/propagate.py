@@ -26,13 +26,14 @@ from fxshard.dtensor_rules import dtensor_layout
 from fxshard.rules import Ctx, rank_dependent_numbers, rule_for, scalar_value
 
 
-def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
-    """Annotate every node with its layout (in place)."""
+def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
+    """Annotate every node with its layout (in place).  ``fsdp_axes``: the axes whose
+    gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention)."""
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         try:
-            _propagate_node(gm, node, axes)
+            _propagate_node(gm, node, axes, fsdp_axes)
         except PlanError:
             raise
         except Exception as e:  # a rule's own failure is reported at the node it failed on
@@ -42,7 +43,7 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     return gm
 
 
-def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes) -> None:
+def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=()) -> None:
     meta = info(node)
     if node.op == "placeholder":
         meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
@@ -62,7 +63,7 @@ def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes) -> None:
     elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
         _local_region(node, axes)
     else:
-        _apply_rule(node, axes)
+        _apply_rule(node, axes, fsdp_axes)
     _flow_blocks(node)
 
 
@@ -234,9 +235,9 @@ def _inputs_require_grad(node) -> bool:
     return any(grads)
 
 
-def _apply_rule(node: fx.Node, axes):
+def _apply_rule(node: fx.Node, axes, fsdp_axes=()):
     meta = info(node)
-    ctx = Ctx(node, axes)
+    ctx = Ctx(node, axes, fsdp_axes)
     tensors = ctx.tensor_args()
     requires_grad = _inputs_require_grad(node)
     if node.op == "call_module":

@@ -6,6 +6,8 @@ not by generated names, and the expected plan entries come from the plan itself.
 from __future__ import annotations
 
 import pytest
+import operator
+
 import torch
 from torch.distributed.tensor import Shard
 
@@ -27,8 +29,8 @@ def _linear_of(gm, weight: str):
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch._C._nn.linear:
             w = n.args[1]
-            while w.op != "get_attr" and w.meta[KEY].collective is not None:
-                w = w.args[0]
+            while w.op != "get_attr" and (w.meta[KEY].collective is not None or w.target is operator.getitem):
+                w = w.args[0].args[0][w.args[1]] if w.target is operator.getitem else w.args[0]  # through a bucket
             if w.target == weight:
                 return n
     raise AssertionError(f"no linear with weight {weight}")

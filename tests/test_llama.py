@@ -74,8 +74,8 @@ def test_dp_tp_simulated():
     losses (each a mean over its half of the batch), gradients are summed over dp."""
     sharded = check_simulated(make_llama, dp_tp_plan, (IDS4,), {"dp": 2, "tp": 2},
                               loss_fn=cross_entropy, targets=(TARGETS4,))
-    syncs = [n for n in sharded.graph.nodes if n.target is fxshard.grad_sync and n.args[1] == "dp"]
-    assert syncs, "replicated parameters under a batch-sharded axis need a grad sync on dp"
+    buckets = [n for n in sharded.graph.nodes if n.target is fxshard.grad_sync_bucket and n.args[1] == "dp"]
+    assert len(buckets) == 1, "replicated parameters under a batch-sharded axis need a grad sync on dp (one bucket)"
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook")  # CommDebugMode's module hooks

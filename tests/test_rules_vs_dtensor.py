@@ -484,6 +484,9 @@ ALLOWLIST: list[Entry] = [
     Entry("dtensor-strided-error", ("F.linear/2d*",), "DTensor cannot unflatten a _StridedShard made from two axes sharding "
           "the same inner batch dim (its error); fxshard's result verified by the numbers", verdicts=(DT_ERR,),
           when=lambda c: "_StridedShard" in _dt_out(c)),
+    Entry("arange-own-positions", ("torch.arange",), "arange(n) with n the size of a dim sharded on one axis builds this "
+          "rank's own positions (Shard(0), plus the rank's offset: rules.factory, localize); DTensor builds the whole range "
+          "Replicate and shards it where it meets the sharded operand (no communication either)", verdicts=(ACC_REDIST,)),
     # fxshard refuses where DTensor runs without redistributing ("gaps": a missed layout, never wrong numbers)
     Entry("gap-strided-shard", ("*",), "a merge of a sharded non-outermost dim is DTensor's _StridedShard, which fxshard does "
           "not represent (it refuses the view)", verdicts=(GAP,), when=lambda c: "_StridedShard" in _dt_out(c)),

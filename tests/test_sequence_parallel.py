@@ -48,14 +48,16 @@ def test_collectives_per_layer(kind):
         gm = fxshard.transform(_model(kind), Plan(MeshSpec(("tp",), (2,)), _plan(kind, sp)), (ids, tgt))
         for i in range(2):
             fwd, bwd = _static(gm, f"{layers}.{i}")
-            if sp:  # Megatron-SP: 2 all-gathers + 2 reduce-scatters each way; plus the
-                # all-reduce of each sequence-parallel norm's weight gradients (2 norms)
+            if sp:  # Megatron-SP: 2 all-gathers + 2 reduce-scatters each way
                 assert fwd == {"all-gather": 2, "reduce-scatter": 2}, (kind, i, fwd)
-                # GPT-2 also syncs LayerNorm biases and the two row-parallel biases (added to shards)
-                n_norm_params = 2 if kind == "llama" else 6
-                assert bwd == {"all-gather": 2, "reduce-scatter": 2, "all-reduce": n_norm_params}, (kind, i, bwd)
+                assert bwd == {"all-gather": 2, "reduce-scatter": 2}, (kind, i, bwd)
             else:
                 assert fwd == {"all-reduce": 2} and bwd == {"all-reduce": 2}, (kind, i, fwd, bwd)
+        if sp:  # the sequence-parallel norms' weights (GPT-2: also LayerNorm biases and the two row-parallel
+            # biases added to shards) have their gradients all-reduced together: one bucket for the model
+            (bucket,) = [r for r in fxshard.comm_summary(gm).rows if r.op == "grad_sync_bucket"]
+            per_layer = 2 if kind == "llama" else 6
+            assert bucket.shape == ((2 * per_layer + (1 if kind == "llama" else 2)) * 64,)
 
 
 class _Counter:
@@ -101,13 +103,15 @@ class TestGoldenDumps(TestCase):
         ids, tgt = tokens(2, 8, V), tokens(2, 8, V, seed=1)
         gm = fxshard.transform(_model("gpt2"), Plan(MeshSpec(("tp",), (2,)), _plan("gpt2", True)), (ids, tgt))
         self.assertExpectedInline(fxshard.dump(gm, region="model.h.0.*", source=False), """\
-fxshard dump of WithLoss  mesh: tp=2  nodes: 49  collectives: 25 (all_gather@tp x5, grad_sync@tp x14, reduce_scatter@tp x5, shard@tp x1)
-communication per step: forward 13 (40.2 KiB)  backward 25 (45.5 KiB)
+fxshard dump of WithLoss  mesh: tp=2  nodes: 43  collectives: 12 (all_gather@tp x5, grad_sync_bucket@tp x1, reduce_scatter@tp x5, shard@tp x1)
+communication per step: forward 13 (40.2 KiB)  backward 12 (45.5 KiB)
    node                          op             target                                                                        tp                local                             global                            dtype    module
    model_h_0_ln_1_weight         get_attr       model.h.0.ln_1.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_1
    model_h_0_ln_1_bias           get_attr       model.h.0.ln_1.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_1
->> grad_sync                     call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.ln_1
->> grad_sync_1                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.ln_1
+   model_h_0_mlp_c_proj_bias     get_attr       model.h.0.mlp.c_proj.bias                                                     R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
+   model_h_0_ln_2_weight         get_attr       model.h.0.ln_2.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_2
+   model_h_0_ln_2_bias           get_attr       model.h.0.ln_2.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_2
+   model_h_0_attn_c_proj_bias    get_attr       model.h.0.attn.c_proj.bias                                                    R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
    layer_norm                    call_function  F.layer_norm                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_1
 >> all_gather                    call_function  fxshard.all_gather  [fwd all-gather | bwd reduce-scatter (grad sync folded)]  R                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn
    getattr_3                     call_function  builtins.getattr                                                                                int                               (2, 8, 64)                                 model.h.0.attn
@@ -130,16 +134,10 @@ communication per step: forward 13 (40.2 KiB)  backward 25 (45.5 KiB)
    transpose_3                   call_method    Tensor.transpose                                                              S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
    reshape                       call_method    Tensor.reshape                                                                S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
    model_h_0_attn_c_proj_weight  get_attr       model.h.0.attn.c_proj.weight                                                  S(1)              [64, 32]                          [64, 64]                          float32  model.h.0.attn.c_proj
-   model_h_0_attn_c_proj_bias    get_attr       model.h.0.attn.c_proj.bias                                                    R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
    linear_1                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
 >> reduce_scatter_1              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
->> grad_sync_2                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
    add_5                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
    add_1                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0
-   model_h_0_ln_2_weight         get_attr       model.h.0.ln_2.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_2
-   model_h_0_ln_2_bias           get_attr       model.h.0.ln_2.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_2
->> grad_sync_3                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.ln_2
->> grad_sync_4                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.ln_2
    layer_norm_1                  call_function  F.layer_norm                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_2
 >> all_gather_1                  call_function  fxshard.all_gather  [fwd all-gather | bwd reduce-scatter (grad sync folded)]  R                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp
    model_h_0_mlp_c_fc_weight     get_attr       model.h.0.mlp.c_fc.weight                                                     S(0)              [128, 64]                         [256, 64]                         float32  model.h.0.mlp.c_fc
@@ -147,10 +145,8 @@ communication per step: forward 13 (40.2 KiB)  backward 25 (45.5 KiB)
    linear_2                      call_function  F.linear                                                                      S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp.c_fc
    gelu                          call_function  F.gelu                                                                        S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp
    model_h_0_mlp_c_proj_weight   get_attr       model.h.0.mlp.c_proj.weight                                                   S(1)              [64, 128]                         [64, 256]                         float32  model.h.0.mlp.c_proj
-   model_h_0_mlp_c_proj_bias     get_attr       model.h.0.mlp.c_proj.bias                                                     R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
    linear_3                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
 >> reduce_scatter_2              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
->> grad_sync_5                   call_function  fxshard.grad_sync  [fwd identity | bwd all-reduce]                            R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
    add_6                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
    add_2                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0""")
 

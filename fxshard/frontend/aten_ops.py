@@ -96,6 +96,17 @@ def _addmm(args, kwargs, node):
     return "call_function", F.linear, (x, wt, bias), {}
 
 
+def _arange(args, kwargs, node):
+    kw = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+    return "call_function", torch.arange, tuple(args), kw
+
+
+def _index(args, kwargs, node):
+    """``index(x, [i, None, j])``: ``x[i, :, j]`` (``None`` there keeps a dim whole)."""
+    x, indices = args
+    return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
+
+
 def _slice(args, kwargs, node):
     x, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1:])[:5]
     nd = node.args[0].meta["val"].dim()
@@ -204,6 +215,7 @@ TRANSLATIONS: dict[Any, Callable[..., Spec | None]] = {
     aten.chunk.default: _function(torch.chunk),
     aten.cat.default: _function(torch.cat), aten.stack.default: _function(torch.stack),
     aten.slice.Tensor: _slice, aten.select.int: _select,
+    aten.index.Tensor: _index, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
     aten.masked_fill.Scalar: _method("masked_fill"), aten.masked_fill.Tensor: _method("masked_fill"),
     aten.sym_size.int: _method("size"),
     aten.flatten.using_ints: _method("flatten"), aten.unflatten.int: _method("unflatten"),

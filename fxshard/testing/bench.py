@@ -514,6 +514,41 @@ def _hf_train_step(model, opt, batch: dict) -> torch.Tensor:
     return loss.detach()
 
 
+# --------------------------------------------------------------------------- dp x tp: FSDP2
+
+
+FSDP_CONTENDERS = ("dtensor", "fxshard")  # the reference first; both compose with FSDP2 over dp
+
+
+def _build_fsdp_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], tuple, None]:
+    """On a ``("dp", "tp")`` mesh: torchtitan's recipe (DTensor TP over ``tp``, then
+    FSDP2's ``fully_shard`` per block and on the root over ``dp``) and fxshard's
+    (``Plan(fsdp="dp")``, :func:`fxshard.fully_shard`); each rank steps on its dp share
+    of the batch."""
+    import fxshard
+    from fxshard.testing.models import llama, llama_plan, tokens
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    if size.batch % dp:
+        raise ValueError(f"batch {size.batch} of size {size.name!r} does not divide over dp={dp}")
+    model = llama(seed=0, **size.model_args()).to(device)
+    ids = tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device)
+    targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
+    plan = fxshard.Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
+    ours = fxshard.fully_shard(fxshard.transform(model, plan, example_inputs=(ids,)), mesh)
+    titan = localize_llama_heads(parallelize_module(copy.deepcopy(model), mesh["tp"], torch_llama_plan()), tp)
+    for layer in titan.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(titan, mesh=mesh["dp"])
+    n = size.batch // dp
+    mine = slice(mesh.get_local_rank("dp") * n, (mesh.get_local_rank("dp") + 1) * n)
+    # each rank's loss is the mean over its own share: no single-device loss to compare it with
+    return {"dtensor": titan, "fxshard": ours}, (ids[mine], targets[mine]), None
+
+
 # --------------------------------------------------------------------------- suites
 
 
@@ -543,6 +578,8 @@ class Suite:
     # small all TP contenders agree with one device to 1e-5 for ~20 SGD steps, then drift
     # apart by up to 1e-2 (HF's TP and DTensor bitwise equal, fxshard no further off).
     loss_check_steps: int | None = None
+    # the mesh: ("tp",) over every rank, or ("dp", "tp") with dp = 2
+    mesh_dims: tuple[str, ...] = ("tp",)
 
 
 SUITES = {
@@ -554,6 +591,11 @@ SUITES = {
                       "transformers LlamaForCausalLM: HF from_pretrained(tp_plan='auto') (hf_tp), fxshard "
                       "(Plan.from_hf), DTensor parallelize_module (same plan), one device (single)",
                       loss_check_steps=5),
+    "llama-fsdp": Suite("llama-fsdp", FSDP_CONTENDERS, "dtensor", "dtensor", SIZES, _build_fsdp_contenders,
+                        lambda m, opt, batch: _train_step(m, opt, *batch), "step_time_fsdp",
+                        "fxshard.testing.models.Llama on a dp x tp mesh (dp=2): DTensor TP + FSDP2 as torchtitan "
+                        "composes them (dtensor), fxshard TP + fxshard.fully_shard (fxshard)",
+                        mesh_dims=("dp", "tp")),
 }
 
 def _inductor_skip_reason(device: str) -> str | None:
@@ -789,7 +831,12 @@ def _in_process(tp: int, device: str, sizes, modes, warmup, iters, profile_dir, 
                 model: str = "llama") -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.split(":")[0], (tp,), mesh_dim_names=("tp",))
+    if SUITES[model].mesh_dims == ("dp", "tp"):
+        if tp % 2:
+            raise ValueError(f"suite {model!r} runs on a dp=2 x tp mesh: the world size ({tp}) must be even")
+        mesh = init_device_mesh(device.split(":")[0], (2, tp // 2), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = init_device_mesh(device.split(":")[0], (tp,), mesh_dim_names=("tp",))
     return time_on_mesh(mesh, sizes, modes, warmup=warmup, iters=iters, device=device, profile_dir=profile_dir,
                         show_progress=show_progress, model=model)
 

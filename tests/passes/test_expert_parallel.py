@@ -53,8 +53,11 @@ def test_replicated_batch_is_chunked_on_entry_and_gathered_on_exit():
     plan = Plan(MeshSpec(("ep",), (2,)), {"layers.*.moe": expert_parallel("ep", inputs=Replicate(), out=Replicate())})
     sharded = fxshard.transform(moe_transformer(0), plan, (X,))
     ops = [(n.target.__name__, n.args[1]) for n in sharded.graph.nodes if n.op == "call_function"
-           and getattr(n.target, "__module__", "") == "fxshard"]
+           and getattr(n.target, "__module__", "") == "fxshard" and n.target is not fxshard.grad_sync_bucket]
     assert ops == [("shard", "ep"), ("all_gather", "ep")] * 2
+    # the routers' weights, read by the regions, sync in one bucket with the rest
+    (bucket,) = [n for n in sharded.graph.nodes if n.target is fxshard.grad_sync_bucket]
+    assert [a.target for a in bucket.args[0]] == [f"layers.{i}.moe.gate.{w}" for i in (1, 0) for w in ("weight", "bias")]
 
 
 class Stacked(nn.Module):

@@ -33,8 +33,12 @@ def test_carved_region_keeps_fqns_untraceable_children_stay_leaves():
     calls = [n.target for n in region.graph.nodes if n.op == "call_module"]
     assert calls == ["experts"]  # the loop experts (.tolist()) stay a leaf; the gate became F.linear
     assert isinstance(region.experts, GroupedExperts)
-    attrs = [n.target for n in region.graph.nodes if n.op == "get_attr"]
-    assert attrs == ["gate.weight", "gate.bias"]
+    # the router's parameters need a grad sync: the region takes them as inputs, synced by the caller
+    assert [n.target for n in region.graph.nodes if n.op == "get_attr"] == []
+    assert [n.name for n in region.graph.nodes if n.op == "placeholder"] == ["x", "gate_weight_synced", "gate_bias_synced"]
+    call = _region_node(sharded, "layers.0.moe")
+    assert {k: a.name for k, a in call.kwargs.items()} == {"gate_weight_synced": "layers_0_moe_gate_weight_synced",
+                                                            "gate_bias_synced": "layers_0_moe_gate_bias_synced"}
     assert set(sharded.state_dict()) == set(model.state_dict())
     assert isinstance(info(_region_node(sharded, "layers.0.moe")).declared, LocalRegion)
 
@@ -46,9 +50,11 @@ def test_router_grad_sync_on_every_batch_sharded_axis():
     sharded = fxshard.transform(moe_transformer(0), _ep_plan((("dp", 2), ("ep", 2)), {"dp": Shard(0), "ep": Shard(0)}),
                                 (torch.randn(8, 8, 32),))
     region = sharded.get_submodule("layers.0.moe")
-    syncs = [(n.args[0].target if n.args[0].op == "get_attr" else n.args[0].args[0].target, n.args[1])
-             for n in region.graph.nodes if n.target is fxshard.grad_sync]
-    assert syncs == [("gate.weight", "dp"), ("gate.weight", "ep"), ("gate.bias", "dp"), ("gate.bias", "ep")]
+    buckets = {n.args[1]: n for n in sharded.graph.nodes if n.target is fxshard.grad_sync_bucket}
+    assert sorted(n.args[1] for n in sharded.graph.nodes if n.target is fxshard.grad_sync_bucket) == ["dp", "ep"]
+    router = {f"layers.0.moe.gate.{w}" for w in ("weight", "bias")}
+    assert router <= {a.target for a in buckets["dp"].args[0]}  # the router, read outside, syncs on dp, then ep
+    assert router <= {buckets["dp"].args[0][a.args[1]].target for a in buckets["ep"].args[0]}
     experts = region.experts
     assert type(experts) is not GroupedExperts and type(experts).__bases__ == (GroupedExperts,)
     assert set(dict(experts.named_parameters())) == {"w1", "w2", "w3"}

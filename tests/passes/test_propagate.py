@@ -223,14 +223,22 @@ class Positions(torch.nn.Module):
         return x + torch.arange(x.size(1), dtype=x.dtype)[None, :, None]
 
 
-def test_positions_from_a_sharded_size_are_refused():
-    """``torch.arange(x.size(1))`` of a sequence-sharded x would give every rank the first
-    positions, not its own: refused, not labelled Replicate with the global shape."""
+class ShiftedPositions(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(1) + 1, dtype=x.dtype)[None, 1:, None]
+
+
+def test_positions_from_a_sharded_size_are_this_ranks_own():
+    """``torch.arange(x.size(1))`` of a sequence-sharded x: each rank builds the
+    positions of its own shard (``Shard(0)``, plus the rank's offset); a size combined
+    in a way fxshard cannot follow (``x.size(1) + 1``) is refused, not built wrong."""
     x = torch.randn(2, 8, 4)
+    gm = check_simulated(Positions, lambda mesh: Plan(mesh, {}, inputs={"x": {"tp": Shard(1)}}), (x,), {"tp": 2}, steps=0)  # no parameters
+    assert "fxshard_runtime_local_offset('tp', " in gm.code or "local_offset('tp', " in gm.code
     with pytest.raises(PlanError) as err:
-        fxshard.transform(Positions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}}), (x,))
+        fxshard.transform(ShiftedPositions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(1)}}), (x,))
     msg = str(err.value)
-    for fragment in ("`arange`", "`size`, the size of a dim sharded on ['tp']", "local size", "literal"):
+    for fragment in ("`arange`", "sharded on ['tp']", "local size", "literal"):
         assert fragment in msg, f"{fragment!r} missing from:\n{msg}"
     gm = fxshard.transform(Positions(), Plan(MeshSpec(("tp",), (2,)), {}, inputs={"x": {"tp": Shard(0)}}), (x,))
     assert any(n.target is torch.arange for n in gm.graph.nodes)
@@ -376,12 +384,16 @@ class _ArangePositions(nn.Module):
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
-def test_factory_sized_by_a_local_size_is_refused_under_both_captures(capture):
-    """Regression (issue 15 fuzz): exported graphs hold ``aten.arange``, which skipped the
-    factory rule's check and built the first positions on every rank (max diff 2.4)."""
-    plan = Plan(MeshSpec(("tp",), (2,)), {"pos": fxshard.ModuleSpec(out_dst={"tp": Shard(0)})}, inputs={"x": {"tp": Shard(1)}})
-    with pytest.raises(PlanError, match=r"(arange is sized by|no layout rule and takes)"):
-        fxshard.transform(_ArangePositions(), plan, example_inputs=(torch.randn(2, 4, 4),), capture=capture)
+def test_factory_sized_by_a_local_size_gives_this_ranks_positions_under_both_captures(capture):
+    """Regression (issue 15 fuzz): exported graphs held ``aten.arange``, which skipped the
+    factory rule's check and built the first positions on every rank (max diff 2.4).
+    Both captures now build the rank's own positions (the embedding's weight gradient
+    is then summed over the ranks)."""
+    plan = lambda mesh: Plan(mesh, {"pos": fxshard.ModuleSpec(out_dst={"tp": Shard(0)})}, inputs={"x": {"tp": Shard(1)}})
+    x = torch.randn(2, 4, 4)
+    check_simulated(_ArangePositions, plan, (x,), {"tp": 2}, example_inputs=(x,), name=f"arange positions {capture}")
+    gm = fxshard.transform(_ArangePositions(), plan(MeshSpec(("tp",), (2,))), example_inputs=(x,), capture=capture)
+    assert any(n.target is torch.arange and n.meta[KEY].rewrite == "arange_offset" for n in gm.graph.nodes)
 
 
 class _EinsumScores(nn.Module):

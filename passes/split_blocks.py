@@ -1,0 +1,87 @@
+"""split_blocks: one submodule per transformer block, for FSDP2.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) works per module: a forward pre-hook
+all-gathers a module's parameters, a backward hook reduce-scatters their gradients.
+The passes work on one flat graph, which calls no submodule; this last stage moves
+the nodes of each transformer block (found by ``nn_module_stack``) into a
+sub-GraphModule at the block's FQN and calls it, so ``sharded.layers[0]`` is the
+block again, with its parameters under their own names (``state_dict`` keys do not
+change).  The nodes keep their metadata, so dumps and the comm summary walk into the
+blocks (``gm.meta["fxshard_block"]`` on each).
+
+A block is, by default, an item of a module list or dict: the outermost module in a
+node's stack whose last name is a number (``layers.0``, ``model.layers.3``,
+``transformer.h.11``); ``pattern`` (an FQN pattern such as ``"layers.*"``) picks
+others.  No node outside a block may read a value made inside it and hand it back
+(``fxshard.transform`` keeps gradient-sync buckets within a block when it splits);
+such a graph is a PlanError naming the node.
+
+Reads:  ``nn_module_stack``.
+Writes: the block submodules; ``gm.meta["fxshard_fsdp_units"]`` (block FQNs, in order).
+"""
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+import torch.nn as nn
+
+from fxshard.module_state import add_missing_state, named_state
+
+from .outline_regions import outline
+
+_ITEM = re.compile(r"(^|\.)\d+$")
+
+
+def block_of(node: fx.Node, pattern: re.Pattern | None = None) -> str:
+    """FQN of the block ``node`` was traced in, or ``""`` outside every block."""
+    for qualname, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if qualname and (pattern.match(qualname) if pattern is not None else _ITEM.search(qualname)):
+            return qualname
+    return ""
+
+
+def split_blocks(gm: fx.GraphModule, pattern: re.Pattern | None = None) -> fx.GraphModule:
+    """Outline every block into a sub-GraphModule called once (in place)."""
+    blocks: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        fqn = block_of(node, pattern)
+        if fqn and fqn not in blocks:
+            blocks[fqn] = _class_name(node, fqn)
+    mesh = gm.meta.get("fxshard_mesh")
+    for fqn, class_name in blocks.items():
+        holder = gm.get_submodule(fqn)
+        state = named_state(holder)
+        non_persistent = {name: set(m._non_persistent_buffers_set) for name, m in holder.named_modules()}
+        outline(gm, fqn, fqn, class_name)
+        block = gm.get_submodule(fqn)
+        add_missing_state(block, state)  # a GraphModule keeps only what its graph reads
+        for name, m in block.named_modules():
+            m._non_persistent_buffers_set.update(non_persistent.get(name, ()))
+        block.meta["fxshard_block"] = fqn
+        if mesh is not None:
+            block.meta["fxshard_mesh"] = dict(mesh)
+    for parent in {fqn.rpartition(".")[0] for fqn in blocks}:
+        _as_module_list(gm, parent)
+    gm.meta["fxshard_fsdp_units"] = list(blocks)
+    return gm
+
+
+def _as_module_list(gm: fx.GraphModule, fqn: str) -> None:
+    """A GraphModule rebuilds the module tree from plain ``nn.Module`` s; the blocks'
+    parent becomes an ``nn.ModuleList`` again when its children are ``0 .. n-1``, so
+    ``sharded.layers[i]`` works as on the model."""
+    parent = gm.get_submodule(fqn) if fqn else gm
+    names = list(parent._modules)
+    if type(parent) is not nn.Module or names != [str(i) for i in range(len(names))] or parent._parameters or parent._buffers:
+        return
+    owner, _, name = fqn.rpartition(".")
+    setattr(gm.get_submodule(owner) if owner else gm, name, nn.ModuleList(parent._modules.values()))
+
+
+def _class_name(node: fx.Node, fqn: str) -> str:
+    for qualname, mtype in (node.meta.get("nn_module_stack") or {}).values():
+        if qualname == fqn:
+            name = mtype if isinstance(mtype, str) else getattr(mtype, "__name__", "Block")
+            return name.rsplit(".", 1)[-1].strip("'>")
+    return "Block"

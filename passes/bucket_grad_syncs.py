@@ -8,7 +8,8 @@ axis)`` nodes: identity forward; backward, one all-reduce of the flattened gradi
 once the last of them is complete.
 
 * Members are the syncs whose input is a parameter (a ``get_attr`` that requires
-  grad) or the output of a bucket on another axis (a parameter replicated on two
+  grad, or a view of one: a ``Conv1D`` weight read as ``w.t()``) or the output of a
+  bucket on another axis (a parameter replicated on two
   axes is bucketed on the first, then on the second).  Syncs of activations stay
   where they are.
 * Buckets fill in backward order: a parameter's gradient is complete once autograd
@@ -91,12 +92,20 @@ def _is_sync(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is runtime.grad_sync
 
 
+_VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous"}
+
+
 def _is_parameter_like(gm: fx.GraphModule, node) -> bool:
+    """A parameter, a view of one (transformers' ``Conv1D`` weight read as ``w.t()``), or
+    a bucket's output on another axis."""
     if not isinstance(node, fx.Node):
         return False
     if node.op == "get_attr":
         t = _fetch(gm, node.target)
         return isinstance(t, torch.Tensor) and t.requires_grad and isinstance(info(node).value, TensorInfo)
+    if node.op == "call_method" and node.target in _VIEWS and isinstance(info(node).value, TensorInfo):
+        tensors = [a for a in node.all_input_nodes if isinstance(info(a).value, TensorInfo)]
+        return len(tensors) == 1 and tensors[0] is node.args[0] and _is_parameter_like(gm, node.args[0])
     return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
             and node.args[0].target is runtime.grad_sync_bucket)
 
@@ -159,9 +168,9 @@ def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
 
 
 def _parameter_name(node: fx.Node) -> str:
-    """The parameter's node name, also through buckets on other axes."""
-    while node.op == "call_function" and node.target is operator.getitem:
-        node = node.args[0].args[0][node.args[1]]
+    """The parameter's node name, also through buckets on other axes and views."""
+    while node.op != "get_attr":
+        node = node.args[0].args[0][node.args[1]] if node.target is operator.getitem else node.args[0]
     return node.name
 
 

@@ -105,7 +105,7 @@ def _flow_blocks(node: fx.Node) -> None:
         return
     if node.op == "call_method" and node.target in ("view", "reshape"):  # Conv1D: [B*S, 3H] -> [B, S, 3H]
         src = info(node.args[0]).value
-        if isinstance(src, TensorInfo) and src.blocks and _same_sharded_dim(src, out):
+        if isinstance(src, TensorInfo) and src.blocks and _blocked_dim_kept(src, out):
             out.blocks = src.blocks
         return
     preserving = node.target in (region_input, region_output) or (node.op == "call_method" and node.target in _BLOCK_PRESERVING)
@@ -158,10 +158,13 @@ def _blocked_error(node, blocked):
                       "drop splits= from its colwise()")
 
 
-def _same_sharded_dim(src: TensorInfo, out: TensorInfo) -> bool:
-    """Is the sharded dim carried whole through a reshape (neither split nor merged)?"""
-    pairs = [(p, out.layout[a]) for a, p in src.layout.items() if isinstance(p, Shard)]
-    return bool(pairs) and all(isinstance(q, Shard) and src.shape[p.dim] == out.shape[q.dim] for p, q in pairs)
+def _blocked_dim_kept(src: TensorInfo, out: TensorInfo) -> bool:
+    """Is the fused parts' sharded dim carried whole through a reshape (neither split nor
+    merged)?  Other sharded dims may merge (``[B*S, 3H] -> [B, S, 3H]`` with the batch
+    sharded over dp): the view's rule has checked them."""
+    d = _blocked_dim(src)
+    axes = [a for a, p in src.layout.items() if p == Shard(d)] if d is not None else []
+    return bool(axes) and all(isinstance(out.layout[a], Shard) and out.shape[out.layout[a].dim] == src.shape[d] for a in axes)
 
 
 def _fetch(gm, target):

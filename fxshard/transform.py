@@ -34,7 +34,7 @@ from .passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
 from .passes.shard_state import shard_state
 from .passes.cleanup import cleanup
 from .passes.split_blocks import block_of, split_blocks
-from .fsdp import require_fully_shard
+from .fsdp import check_fsdp_axis, require_fully_shard
 from .plan import _pattern_regex
 
 
@@ -84,6 +84,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             loss_parallel(gm)
             redistribute(gm, axes)
             grad_sync(gm, fsdp_axes)
+            if plan.fsdp:
+                check_fsdp_axis(gm, plan.fsdp)
             # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
             bucket_grad_syncs(gm, int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
                               (lambda n: block_of(n, block_rx)) if plan.fsdp else (lambda n: ""))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan, PlanError
@@ -288,3 +288,13 @@ def test_mean_loss_over_batch_shards_is_allowed_only_on_the_fsdp_axis():
 
     from fxshard.meta import info
     assert info(loss).value.layout == {"dp": Partial("avg"), "tp": Replicate()}
+
+
+def test_fsdp_axis_may_only_shard_the_batch():
+    ids, _ = _data()
+    mesh = MeshSpec(("dp", "tp"), (2, 2))
+    with pytest.raises(PlanError, match=r"parameter 'layers.0.attention.wq.weight' is laid out S\(0\) on 'tp'"):
+        fxshard.transform(llama(seed=0), Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}}, fsdp="tp"), (ids,))
+    gathered = {**llama_plan("tp"), "output": fxshard.ModuleSpec(out_dst={"dp": Replicate()})}
+    with pytest.raises(PlanError, match="communicate on 'dp'"):
+        fxshard.transform(llama(seed=0), Plan(mesh, gathered, inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp"), (ids,))

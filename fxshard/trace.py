@@ -102,6 +102,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
                 from .frontend.capture import flat_inputs
 
                 record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
+            gm.meta["module_dicts"] = _module_dicts(model)
             return gm
     from .frontend.capture import capture as export_capture, flat_inputs
 
@@ -109,7 +110,15 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     keep_non_persistent(model, gm)
     if example_inputs or example_kwargs:
         record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
+    gm.meta["module_dicts"] = _module_dicts(model)
     return gm
+
+
+def _module_dicts(model: nn.Module) -> list[str]:
+    """FQNs of the model's ``nn.ModuleDict`` s (torchtitan keeps its blocks in one): a
+    GraphModule rebuilds plain modules, and ``split_blocks`` gives the blocks' parent its
+    container type back."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.ModuleDict)]
 
 
 def _fx_trace(model: nn.Module, plan) -> fx.GraphModule:

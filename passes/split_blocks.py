@@ -16,7 +16,7 @@ others.  No node outside a block may read a value made inside it and hand it bac
 (``fxshard.transform`` keeps gradient-sync buckets within a block when it splits);
 such a graph is a PlanError naming the node.
 
-Reads:  ``nn_module_stack``.
+Reads:  ``nn_module_stack``; ``gm.meta["module_dicts"]`` (written by ``fxshard.trace``).
 Writes: the block submodules; ``gm.meta["fxshard_fsdp_units"]`` (block FQNs, in order).
 """
 from __future__ import annotations
@@ -61,22 +61,30 @@ def split_blocks(gm: fx.GraphModule, pattern: re.Pattern | None = None) -> fx.Gr
         block.meta["fxshard_block"] = fqn
         if mesh is not None:
             block.meta["fxshard_mesh"] = dict(mesh)
+    dicts = set(gm.meta.get("module_dicts") or ())
     for parent in {fqn.rpartition(".")[0] for fqn in blocks}:
-        _as_module_list(gm, parent)
+        _as_container(gm, parent, dict_=parent in dicts)
     gm.meta["fxshard_fsdp_units"] = list(blocks)
     return gm
 
 
-def _as_module_list(gm: fx.GraphModule, fqn: str) -> None:
+def _as_container(gm: fx.GraphModule, fqn: str, dict_: bool) -> None:
     """A GraphModule rebuilds the module tree from plain ``nn.Module`` s; the blocks'
-    parent becomes an ``nn.ModuleList`` again when its children are ``0 .. n-1``, so
-    ``sharded.layers[i]`` works as on the model."""
+    parent becomes the model's container again (``nn.ModuleDict`` where the model had
+    one, as torchtitan does; else ``nn.ModuleList`` when its children are ``0 .. n-1``),
+    so ``sharded.layers[i]`` / ``sharded.layers.items()`` work as on the model."""
     parent = gm.get_submodule(fqn) if fqn else gm
     names = list(parent._modules)
-    if type(parent) is not nn.Module or names != [str(i) for i in range(len(names))] or parent._parameters or parent._buffers:
+    if type(parent) is not nn.Module or parent._parameters or parent._buffers:
+        return
+    if dict_:
+        container = nn.ModuleDict(parent._modules)
+    elif names == [str(i) for i in range(len(names))]:
+        container = nn.ModuleList(parent._modules.values())
+    else:
         return
     owner, _, name = fqn.rpartition(".")
-    setattr(gm.get_submodule(owner) if owner else gm, name, nn.ModuleList(parent._modules.values()))
+    setattr(gm.get_submodule(owner) if owner else gm, name, container)
 
 
 def _class_name(node: fx.Node, fqn: str) -> str:

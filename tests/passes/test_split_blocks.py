@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 from torch.distributed.tensor import Shard
 
@@ -69,3 +71,15 @@ def test_block_of_reads_the_outermost_numbered_module():
         meta = {"nn_module_stack": {"a": ("model", "M"), "b": ("model.layers.3", "L"), "c": ("model.layers.3.mlp.experts.1", "E")}}
     assert block_of(N) == "model.layers.3"
     assert block_of(N, re.compile(r"^model\.layers\.\d+\.mlp$")) == ""
+
+
+def test_torchtitan_blocks_stay_in_a_module_dict():
+    pytest.importorskip("torchtitan")
+    from fxshard.testing.torchtitan_models import tiny_llama3
+
+    model = tiny_llama3()
+    plan = Plan.from_torchtitan(MeshSpec(("dp", "tp"), (2, 2)), model)
+    plan = plan.replace(inputs={**plan.inputs, "tokens": {**plan.inputs.get("tokens", {}), "dp": Shard(0)}}, fsdp="dp")
+    sharded = fxshard.transform(model, plan, (torch.randint(0, 64, (4, 8)),))
+    assert isinstance(sharded.layers, torch.nn.ModuleDict) and list(sharded.layers) == ["0", "1"]
+    assert all(isinstance(block, torch.fx.GraphModule) for _, block in sharded.layers.items())  # torchtitan's own loop

@@ -17,7 +17,8 @@ What fxshard does with the plan below:
 * each rank keeps half of the expert list, under the single-device names
   (rank 0: ``experts.0`` / ``experts.1``, rank 1: ``experts.2`` / ``experts.3``);
 * the attention, norms, router and embeddings are replicated; since the batch is
-  sharded, their gradients are summed over ``"ep"`` (``grad_sync`` nodes).
+  sharded, their gradients are summed over ``"ep"``, all in one bucketed all-reduce
+  (a ``grad_sync_bucket`` node; the router's weight enters the MoE block synced).
 
 Gradients are those of the *sum* of the per-rank losses, so the single-device
 reference below uses ``reduction="sum"`` on the full batch.

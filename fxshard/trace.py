@@ -102,7 +102,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
                 from .frontend.capture import flat_inputs
 
                 record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
-            gm.meta["module_dicts"] = _module_dicts(model)
+            _record_model(gm, model)
             return gm
     from .frontend.capture import capture as export_capture, flat_inputs
 
@@ -110,8 +110,16 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     keep_non_persistent(model, gm)
     if example_inputs or example_kwargs:
         record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
-    gm.meta["module_dicts"] = _module_dicts(model)
+    _record_model(gm, model)
     return gm
+
+
+def _record_model(gm: fx.GraphModule, model: nn.Module) -> None:
+    """What later steps need to know of the model, not of its graph: its ModuleDicts,
+    class and HF ``model_type`` (checkpoint key renames are per class / model type)."""
+    gm.meta["module_dicts"] = _module_dicts(model)
+    gm.meta["model_class"] = type(model).__name__
+    gm.meta["model_type"] = getattr(getattr(model, "config", None), "model_type", None)
 
 
 def _module_dicts(model: nn.Module) -> list[str]:
@@ -165,7 +173,10 @@ def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
 
     with maybe_disable_local_tensor_mode():
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        # a model on the meta device runs on meta inputs (the shapes are all that is recorded)
+        on_meta = any(t.is_meta for t in gm.parameters()) or any(t.is_meta for t in gm.buffers())
+        fakes = [mode.from_tensor(x.to("meta") if on_meta else x) if isinstance(x, torch.Tensor) else x
+                 for x in example_inputs]
         try:
             _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         except Exception as e:  # name the node that failed

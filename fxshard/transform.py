@@ -168,9 +168,11 @@ def _makes_tensor(n: fx.Node) -> bool:
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """Deep copy of parameters and graph; node metadata is copied shallowly except
-    fxshard's own, which every transform derives afresh."""
-    memo: dict = {}  # one memo: tied parameters stay tied in the copy
+    """Copy of the module tree and graph whose parameters and buffers *alias* the
+    input's storage (a 70B model is never held twice): ``shard_state`` later gives
+    every tensor storage of its own, the rank's shard only.  Node metadata is copied
+    shallowly except fxshard's own, which every transform derives afresh."""
+    memo: dict = _aliases(gm)  # one memo: tied parameters stay tied in the copy
     holder = nn.Module()
     for name, m in gm.named_children():
         holder.add_module(name, copy.deepcopy(m, memo))
@@ -189,6 +191,17 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     keep_codegen(gm, new)
     new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
     return new
+
+
+def _aliases(module: nn.Module) -> dict:
+    """``deepcopy`` memo mapping each parameter and buffer to a new tensor object on the
+    same storage: the copy's passes may replace attributes, never write the data."""
+    memo: dict = {}
+    for _, t, is_param in named_state(module):
+        if id(t) not in memo:
+            alias = t.detach()
+            memo[id(t)] = nn.Parameter(alias, requires_grad=t.requires_grad) if is_param else alias
+    return memo
 
 
 def _keep_unreferenced_state(gm: fx.GraphModule, new: fx.GraphModule, memo: dict) -> None:

@@ -2,6 +2,9 @@
 
 Each parameter or buffer with a non-replicated layout is replaced by its local slice
 under the same FQN (so ``state_dict`` keys do not change); tied parameters stay tied.
+Replicated ones are cloned: until here the transform's copy shares the input model's
+storage (no full copy of a large model is ever made), and training must not write
+into the user's model.  On the meta device nothing is allocated.
 The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
 (``{fqn: (layout, global_shape)}``; fused parameters' part sizes in
 ``gm.meta["fxshard_blocks"]``), from which :func:`fxshard.full_state_dict`
@@ -78,9 +81,8 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
                 local = local_slice(t.detach(), layout, mesh, blocks.get(fqn)).clone()
             elif lm is not None:
                 local = lm.rank_map(lambda r, t=t: t.detach().clone())
-            else:
-                replaced[id(t)] = t
-                continue
+            else:  # the transform's copy aliases the input model's storage: own it now
+                local = t.detach().clone()
             replaced[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if is_param else local
         new = replaced[id(t)]
         if new is not t:

@@ -95,12 +95,40 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     _inline_no_grad_blocks(gm)
     _markers_from_boundaries(gm)
     translate_aten(gm)
+    _devices_from_inputs(gm, model, args, kwargs)
     _module_stack_types(gm, model)
     gm.graph.eliminate_dead_code(is_impure_node=mutates)  # in-place writes have no users
     gm.recompile()
     gm.meta["captured_by"] = "torch.export"
     gm.meta["model_class"] = type(model).__name__
     return gm
+
+
+def _devices_from_inputs(gm: fx.GraphModule, model: nn.Module, args, kwargs) -> None:
+    """Export bakes the devices it saw into the graph (``torch.arange(T, device=
+    device(type='meta'))`` for a model captured on the meta device, HF's
+    ``device=inputs_embeds.device``).  The program must run where its inputs are --
+    after ``fxshard.materialize(..., device="cuda")`` or ``.to("cuda")`` -- so every
+    capture-time device becomes ``input.device`` of the first tensor input."""
+    from torch.utils._pytree import tree_leaves
+
+    seen = {t.device for _, t in model.named_parameters()} | {t.device for _, t in model.named_buffers()}
+    seen |= {t.device for t in tree_leaves((tuple(args), dict(kwargs or {}))) if isinstance(t, torch.Tensor)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = next((n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    users = [n for n in gm.graph.nodes if any(isinstance(a, torch.device) and a in seen
+                                               for a in tree_leaves((n.args, n.kwargs)))]
+    if first is None or not users:
+        return
+    with gm.graph.inserting_after(placeholders[-1]):
+        device = gm.graph.create_node("call_function", getattr, (first, "device"), name="input_device")
+
+    def swap(a):
+        return device if isinstance(a, torch.device) and a in seen else a
+
+    for n in users:
+        n.args = fx.node.map_aggregate(n.args, swap)
+        n.kwargs = fx.node.map_aggregate(n.kwargs, swap)
 
 
 def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[Any]:

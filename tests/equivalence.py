@@ -482,3 +482,12 @@ def check_real(world_size: int, model_factory, plan_factory, inputs, mesh_shape,
     """:func:`check_simulated` in ``world_size`` real gloo processes.  The factories,
     ``loss_fn`` and ``post`` must be picklable (top-level functions or partials)."""
     check_real_cases(world_size, [Case(model_factory, plan_factory, tuple(inputs), dict(mesh_shape), **kw)])
+
+
+def expected_local(sharded, mesh, full: torch.Tensor, fqn: str) -> torch.Tensor:
+    """The shard of a global state tensor ``full`` that ``sharded`` (an offline
+    transform at ``mesh``'s coordinate) holds under ``fqn``: fused parts cut one by one."""
+    from fxshard.passes.shard_state import local_slice
+
+    layout, _ = sharded.meta["fxshard_state"].get(fqn, (None, None))
+    return local_slice(full, layout, mesh, sharded.meta["fxshard_blocks"].get(fqn)) if layout else full

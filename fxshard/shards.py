@@ -1,0 +1,136 @@
+"""Where a rank's local tensor sits inside the global one.
+
+A layout (one placement per mesh axis) cuts a tensor dim by dim, so a rank's local
+tensor is a *box product*: along each dim, its indices are a few runs of consecutive
+global indices (one run, or one per part of a fused parameter such as ``qkv_proj``).
+Every tensor-moving feature reads this geometry from here -- materializing and
+initialising shards (:mod:`fxshard.materialize`), reading slices of an HF checkpoint
+(:mod:`fxshard.hf_checkpoint`), writing and reading DCP chunks
+(:mod:`fxshard.checkpoint`) -- so no two of them can disagree on which elements a rank
+holds.  It is the same cut as ``shard_state``'s ``local_slice`` (tested to agree),
+with ``torch.chunk`` semantics where an axis does not divide a dim (DTensor's
+``Shard``: the last ranks hold less, possibly nothing).
+
+Example::
+
+    runs = shard_runs({"tp": Shard(0)}, (12, 4), {"tp": 4}, {"tp": 1})
+    # [[(3, 3)], [(0, 4)]]: rows 3..5, all columns
+    for box in boxes(runs):
+        local[box.local] = full[box.glob]
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+Run = tuple[int, int]  # (first global index, length)
+Runs = list[list[Run]]  # per dim, in local order
+
+
+def chunk_range(size: int, n: int, i: int) -> tuple[int, int]:
+    """``torch.chunk(x, n)[i]`` along a dim of ``size``: (start, length)."""
+    step = -(-size // n) if size else 0
+    start = min(i * step, size)
+    return start, min(step, size - start)
+
+
+def take(runs: list[Run], start: int, length: int) -> list[Run]:
+    """The runs of local positions ``[start, start + length)`` of a dim made of ``runs``."""
+    out, pos = [], 0
+    for g, n in runs:
+        lo, hi = max(start, pos), min(start + length, pos + n)
+        if lo < hi:
+            out.append((g + lo - pos, hi - lo))
+        pos += n
+    return out
+
+
+def shard_runs(layout: dict | None, shape: Sequence[int], axes: dict, coord: dict,
+               blocks: Sequence[int] | None = None) -> Runs:
+    """Runs of global indices per dim of this rank's shard of a tensor of global
+    ``shape`` (outer mesh axes cut first, as ``local_slice``).  With ``blocks`` (the
+    part sizes of a fused parameter's sharded dim), each part is cut on its own."""
+    runs: Runs = [[(0, int(s))] for s in shape]
+    for axis, p in (layout or {}).items():
+        if not isinstance(p, Shard):
+            continue
+        d, n, i = p.dim, axes[axis], coord[axis]
+        parts, pos = [], 0
+        for size in (blocks or (sum(k for _, k in runs[d]),)):
+            parts.append((pos, size))
+            pos += size
+        cut = []
+        for start, size in parts:
+            s, k = chunk_range(size, n, i)
+            cut += take(runs[d], start + s, k)
+        runs[d] = cut
+    return runs
+
+
+def local_shape(runs: Runs) -> tuple[int, ...]:
+    return tuple(sum(k for _, k in dim) for dim in runs)
+
+
+@dataclass(frozen=True)
+class Box:
+    """One rectangular piece of a shard: ``local[box.local] == full[box.glob]``."""
+
+    glob: tuple[slice, ...]
+    local: tuple[slice, ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(s.start for s in self.glob)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.glob)
+
+
+def boxes(runs: Runs) -> Iterator[Box]:
+    """The shard's rectangular pieces (one for an ordinary shard, one per part of a
+    fused one); empty pieces (an uneven axis's last ranks) are skipped."""
+    per_dim = []
+    for dim in runs:
+        pieces, pos = [], 0
+        for g, n in dim:
+            pieces.append((slice(g, g + n), slice(pos, pos + n)))
+            pos += n
+        per_dim.append(pieces)
+    for combo in itertools.product(*per_dim):
+        if all(g.stop > g.start for g, _ in combo):
+            yield Box(tuple(g for g, _ in combo), tuple(loc for _, loc in combo))
+
+
+def assemble(runs: Runs, read: Callable[[Box], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (the local tensor) box by box from ``read(box)`` (the global
+    tensor's ``box.glob`` piece, from a full tensor, a file or a shadow)."""
+    with torch.no_grad():
+        for box in boxes(runs):
+            out[box.local].copy_(read(box))
+    return out
+
+
+def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
+    """The runs of ``gm``'s state tensor ``fqn`` on this rank (``gm`` from
+    :func:`fxshard.transform`).  A tensor FSDP2 also sharded (a ``DTensor`` over the FSDP
+    axis, dim 0 cut in ``torch.chunk`` pieces of fxshard's shard) is cut once more."""
+    from torch.distributed.tensor import DTensor
+
+    from .mesh import mesh_coordinate, mesh_shape
+
+    layout, shape = gm.meta["fxshard_state"].get(fqn, (None, None))
+    if shape is None:  # replicated everywhere (fxshard never read it): the local tensor is the whole
+        shape = tuple(local.shape)
+    runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), gm.meta.get("fxshard_blocks", {}).get(fqn))
+    if isinstance(local, DTensor):
+        (p,) = local.placements
+        if isinstance(p, Shard):
+            k = local.device_mesh.get_local_rank()
+            s, n = chunk_range(local.shape[p.dim], local.device_mesh.size(), k)
+            runs[p.dim] = take(runs[p.dim], s, n)
+    return runs

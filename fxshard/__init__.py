@@ -27,10 +27,13 @@ from .dump_formats import render, to_dot, to_json, to_networkx
 from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
 from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .state import full_state_dict, load_full_state_dict
+from .materialize import materialize
+from .hf_checkpoint import load_hf_checkpoint
+from .checkpoint import load, save
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
-    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "bind_mesh", "bound_mesh",
+    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",

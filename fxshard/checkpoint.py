@@ -1,0 +1,259 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at
+another mesh.
+
+Example::
+
+    fxshard.save(sharded, "ckpt/step100", optimizer=opt)       # every rank writes its shards
+    ...                                                       # later, at tp=2, dp x tp or one device:
+    fxshard.load(sharded_tp2, "ckpt/step100", optimizer=opt2)
+
+What is stored is the *global* tensor of every model FQN and of every optimizer
+state that has a parameter's shape (AdamW's ``exp_avg``, ``exp_avg_sq``): each rank
+writes the boxes of its shard (:mod:`fxshard.shards`; one per part of a fused
+projection) with their global offsets, replicas are written once (DCP deduplicates
+equal boxes).  Loading asks DCP for the boxes of the *loading* model's shards, so DCP
+reads each from whichever files hold it: a checkpoint saved at tp=4 loads at tp=2, dp x
+tp, or into the plain single-device model (no process group).  Keys:
+``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups`` (parameters by
+FQN), so a checkpoint is readable with DCP's own tools.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from . import runtime
+from .errors import PlanError
+from .module_state import named_state
+from .progress import progress
+from .shards import Runs, boxes, runs_of
+
+
+class ShardView:
+    """A rank's local tensor as DCP sees it: the global size, and the boxes this rank
+    holds (``__create_write_items__`` / ``__create_chunk_list__`` /
+    ``__get_tensor_shard__``, the protocol DTensor implements)."""
+
+    def __init__(self, local: torch.Tensor, runs: Runs, global_shape):
+        self.local, self.global_size = local, torch.Size(global_shape)
+        self.boxes = {torch.Size(b.offsets): b for b in boxes(runs)}
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(b.sizes)),
+                                                      properties=props, size=self.global_size))
+                for off, b in self.boxes.items()]
+
+    def size(self) -> torch.Size:
+        return self.global_size
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=off, sizes=torch.Size(b.sizes)) for off, b in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.local[self.boxes[torch.Size(index.offset)].local]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP looks objects up by tensor type; a ShardView answers for its boxes.  The
+    progress bar counts this rank's write items."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def finish_plan(self, new_plan):
+        self.bar.reset(total=len(new_plan.items))
+        return super().finish_plan(new_plan)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardView) else super().lookup_object(index)
+
+    def resolve_data(self, write_item):
+        self.bar.update(1)
+        return super().resolve_data(write_item)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's first step re-allocates meta tensors and drops any other
+        # object (a ShardView) to None; fxshard.load refuses meta tensors itself
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def finish_plan(self, new_plan):
+        self.bar.reset(total=len(new_plan.items))
+        return super().finish_plan(new_plan)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardView) else super().lookup_tensor(index)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        self.bar.update(1)
+        super().commit_tensor(read_item, tensor)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.bar.update(1)
+        super().load_bytes(read_item, value)
+
+
+def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
+    """``{fqn: ShardView}`` of ``module``'s persistent state (a transformed
+    GraphModule's shards, or a plain module's whole tensors) and ``{id(param): fqn}``."""
+    transformed = "fxshard_state" in getattr(module, "meta", {})
+    mesh = runtime.bound_mesh() if transformed else None
+    persistent = set(module.state_dict().keys())
+    views, names = {}, {}
+    for fqn, t, is_param in named_state(module):
+        if fqn not in persistent:
+            continue
+        names.setdefault(id(t), fqn)
+        local = t.detach()
+        local_data = local.to_local() if hasattr(local, "to_local") else local  # FSDP2: its shard of fxshard's
+        if transformed:
+            runs = runs_of(module, fqn, mesh, local)
+            shape = module.meta["fxshard_state"].get(fqn, (None, tuple(local.shape)))[1]
+        else:
+            runs, shape = [[(0, s)] for s in local.shape], tuple(local.shape)
+        views[fqn] = ShardView(local_data, runs, shape)
+    return views, names
+
+
+def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    views, names = _views(module)
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+    if optimizer is not None:
+        groups = []
+        for g in optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]})
+            for p in g["params"]:
+                fqn = names[id(p)]
+                for key, value in optimizer.state.get(p, {}).items():
+                    sd[f"optim.state.{fqn}.{key}"] = _like_param(value, p, views[fqn])
+        sd["optim.param_groups"] = tuple(groups)  # a tuple is one DCP entry (a list would be traversed)
+    return sd
+
+
+def _like_param(value, p: torch.Tensor, view: ShardView):
+    """An optimizer state of the parameter's local shape is sharded as the parameter."""
+    if isinstance(value, torch.Tensor) and value.shape == view.local.shape and value.dim() > 0:
+        return ShardView(value, [[(o, n) for o, n in dim] for dim in _runs_of_view(view)], view.global_size)
+    return value
+
+
+def _runs_of_view(view: ShardView) -> Runs:
+    """The runs back from a view's boxes (they form a box product, see fxshard.shards)."""
+    per_dim: list[dict[int, tuple[int, int]]] = [dict() for _ in view.global_size]
+    for b in view.boxes.values():
+        for d, (g, loc) in enumerate(zip(b.glob, b.local)):
+            per_dim[d][loc.start] = (g.start, g.stop - g.start)
+    return [[r for _, r in sorted(dim.items())] for dim in per_dim]
+
+
+def _single_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
+         show_progress: bool | None = None) -> None:
+    """Save ``module``'s shards (and ``optimizer``'s state) as a DCP checkpoint in
+    ``path``.  A collective: every rank of the mesh calls it."""
+    sd = _state_dict(module, optimizer)
+    bar = progress(None, f"saving to {os.fspath(path)}", show_progress, unit="piece")
+    try:
+        dcp.save(sd, checkpoint_id=os.fspath(path), planner=_SavePlanner(bar), no_dist=_single_process())
+    finally:
+        bar.close()
+
+
+def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
+         show_progress: bool | None = None) -> None:
+    """Load a checkpoint written by :func:`save` at any mesh into ``module``'s shards
+    (in place) and ``optimizer``'s state.  A collective on a transformed module; on a
+    plain single-device module it needs no process group."""
+    reader = dcp.FileSystemReader(os.fspath(path))
+    saved = reader.read_metadata().state_dict_metadata
+    views, names = _views(module)
+    on_meta = [k for k, v in views.items() if v.local.is_meta]
+    if on_meta:
+        raise PlanError(f"fxshard.load: {on_meta[:4]} are on the meta device; call fxshard.materialize(sharded, "
+                         f"model, device=..., init=None) first")
+    missing = [k for k in views if f"model.{k}" not in saved]
+    if missing:
+        raise PlanError(f"fxshard.load: {path} has no {missing[:8]}; was it saved from this model?")
+    for fqn, v in views.items():
+        md = saved[f"model.{fqn}"]
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(v.global_size):
+            raise PlanError(f"fxshard.load: {fqn} has the global shape {tuple(md.size)} in {path}, the model's is "
+                             f"{tuple(v.global_size)}")
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+    if optimizer is not None:
+        sd.update(_optimizer_targets(optimizer, views, names, saved))
+    bar = progress(None, f"loading {os.fspath(path)}", show_progress, unit="piece")
+    try:
+        dcp.load(sd, checkpoint_id=os.fspath(path), planner=_LoadPlanner(bar), no_dist=_single_process())
+    finally:
+        bar.close()
+    if optimizer is not None:
+        _restore_optimizer(optimizer, names, sd)
+
+
+def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:
+    """Tensors to load the saved optimizer state into: a parameter-shaped state in the
+    parameter's shards, any other tensor (AdamW's ``step``) whole."""
+    if "optim.param_groups" not in saved:
+        raise PlanError("fxshard.load: the checkpoint has no optimizer state (saved without optimizer=)")
+    out: dict[str, Any] = {"optim.param_groups": ()}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            fqn = names[id(p)]
+            prefix = f"optim.state.{fqn}."
+            for key, md in ((k[len(prefix):], m) for k, m in saved.items() if k.startswith(prefix)):
+                if isinstance(md, TensorStorageMetadata):
+                    dtype = md.properties.dtype
+                    if tuple(md.size) == tuple(views[fqn].global_size) and len(md.size) > 0:
+                        local = torch.zeros(views[fqn].local.shape, dtype=dtype, device=p.device)
+                        out[prefix + key] = ShardView(local, _runs_of_view(views[fqn]), views[fqn].global_size)
+                    else:
+                        out[prefix + key] = torch.zeros(tuple(md.size), dtype=dtype)
+                else:
+                    out[prefix + key] = None  # bytes: DCP fills in the object
+    return out
+
+
+def _restore_optimizer(optimizer, names, sd) -> None:
+    index = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index[names[id(p)]] = len(index)
+    state: dict[int, dict] = {}
+    for k, v in sd.items():
+        if not k.startswith("optim.state."):
+            continue
+        fqn, _, key = k[len("optim.state."):].rpartition(".")
+        state.setdefault(index[fqn], {})[key] = v.local if isinstance(v, ShardView) else v
+    groups = []
+    for g, saved in zip(optimizer.param_groups, sd["optim.param_groups"]):
+        groups.append({**saved, "params": [index[f] for f in saved["params"]]})
+    if len(groups) != len(optimizer.param_groups):
+        raise PlanError(f"fxshard.load: the checkpoint has {len(groups)} parameter groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

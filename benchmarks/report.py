@@ -140,6 +140,32 @@ def transform_section(p) -> str:
                       f"CPU time x{g['total_cpu_s']:.2f} (trace x{g['trace_cpu_s']:.2f}, transform x{g['transform_cpu_s']:.2f}) "
                       f"with Python's cyclic GC off; x{g['total_cpu_gc_s']:.2f} with it on, where a full collection of the "
                       f"heap lands in one pass ({worst[0]} x{worst[1]:.2f})."]
+    meta = res.get("hf_llama_meta")
+    if meta:
+        body = [[r["model"], f"{r['params'] / 1e9:.1f} B", str(r["captured_nodes"]), f"{r['capture_s']:.1f}",
+                 f"{r['transform_s']:.2f}", f"{r['total_s']:.1f}", fmt_bytes(r["peak_rss"]), fmt_bytes(r["bf16_bytes"])]
+                for r in meta]
+        lines += ["", f"**Capture + transform on the meta device** (HF `LlamaForCausalLM`, Llama-3 configs; `Plan.from_hf`, "
+                      f"offline `MeshSpec` tp={meta[0]['tp']}; each in a fresh process; wall seconds; peak RSS is the "
+                      f"whole process, Python and libraries included; `{p['command']}`):", "",
+                  _md_table(["model", "parameters", "nodes captured", "capture s", "transform s", "total s",
+                             "peak RSS", "bf16 weights (never allocated)"], body)]
+    return "\n".join(lines)
+
+
+def checkpoint_section(p) -> str:
+    res = p["results"]
+    (r,) = res["rows"]
+    lines = [f"**Checkpoint load** (HF Llama, hidden {res['hidden']}, {res['layers']} layers, {r['params'] / 1e9:.2f} B "
+             f"parameters in bf16, {fmt_bytes(r['checkpoint_bytes'])} in {r['files']} safetensors files, loaded at "
+             f"tp={r['tp']} gloo ranks into a model built on the meta device: `transform`, `materialize(init=None)`, "
+             f"`load_hf_checkpoint`; per rank, max over ranks; `{p['command']}`):", "",
+             _md_table(["shards per rank", "peak private memory growth", "x checkpoint", "file pages touched (page cache)",
+                        "materialize + load s"],
+                       [[fmt_bytes(r["local"]), fmt_bytes(r["anon"]), f"{r['anon_vs_checkpoint']:.3f}", fmt_bytes(r["file"]),
+                         f"{r['load_s']:.2f}"]]),
+             "", f"Each rank's private memory grows by {r['anon_vs_checkpoint']:.3f} of the checkpoint (1/tp = "
+                 f"{1 / r['tp']:.3f}): its shards, and no full tensor."]
     return "\n".join(lines)
 
 
@@ -159,7 +185,7 @@ def memory_section(p) -> str:
 
 
 SECTIONS = (("step_time", step_time_section), ("step_time_fsdp", step_time_fsdp_section), ("communication", communication_section),
-            ("transform_time", transform_section), ("memory", memory_section))
+            ("transform_time", transform_section), ("memory", memory_section), ("memory_checkpoint", checkpoint_section))
 
 
 def report(results_dir: Path = RESULTS) -> str:

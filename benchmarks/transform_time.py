@@ -1,6 +1,7 @@
 """Transform time: ``fxshard.trace`` + ``fxshard.transform`` wall time and node count
 for Llama at 2, 8, 32 and 64 layers (offline ``MeshSpec``, tp=4), and capture +
-transform of HF Llama with the Llama-3-8B config on the meta device (``MeshSpec`` tp=8).
+transform of HF Llama with the Llama-3-8B and -70B configs on the meta device
+(``MeshSpec`` tp=8), each in a fresh process with its peak resident memory.
 
 Times are best-of-``--repeats``, CPU time of this process (robust to other jobs on a
 shared machine; the growth ratios use it) and wall clock, each run after a
@@ -33,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, describe_machine, pyplot, save_plot, table, write_json  # noqa: E402
+from common import RESULTS, describe_machine, fmt_bytes, pyplot, save_plot, table, write_json  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan  # noqa: E402
@@ -176,25 +177,48 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="cProfile the transform of the largest model")
     p.add_argument("--out", default=None)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF Llama-3-8B (meta device) capture + transform")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF Llama-3-8B/70B (meta device) capture + transform")
+    p.add_argument("--hf-sizes", default="8B,70B", help="Llama-3 configs captured on the meta device")
     return p.parse_args(argv)
 
 
-def measure_hf_llama_8b(tp: int = 8, repeats: int = 1) -> dict | None:
-    """Capture (torch.export) + transform of HF ``LlamaForCausalLM`` with the Llama-3-8B
-    config (32 layers, hidden 4096, GQA 32/8, vocab 128256) built on the meta device (no
-    parameter is ever materialized), ``Plan.from_hf`` on an offline ``MeshSpec`` tp=8."""
+LLAMA_3 = {  # the published configs (hidden, intermediate, layers, heads, kv heads)
+    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),
+    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
+}
+
+
+def measure_hf_llama_meta(size: str = "8B", tp: int = 8, repeats: int = 1) -> dict | None:
+    """Capture (torch.export) + transform of HF ``LlamaForCausalLM`` with a Llama-3 config
+    (vocab 128256) built on the meta device, ``Plan.from_hf`` on an offline ``MeshSpec``
+    tp=8.  Runs in a fresh process, so that its peak resident memory (``ru_maxrss``) is
+    this model's alone: no parameter is ever materialized."""
+    import concurrent.futures
+    import multiprocessing
+
     try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers  # noqa: F401
     except ImportError:
         return None
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_hf_llama_meta, size, tp, repeats).result()
+
+
+def _hf_llama_meta(size: str, tp: int, repeats: int) -> dict:
+    import resource
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, **LLAMA_3[size])
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    kwargs = {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
+    n_params = sum(p.numel() for p in model.parameters())
+    kwargs = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
     plan = Plan.from_hf(MeshSpec(("tp",), (tp,)), model)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     best = {}
     for _ in range(repeats):
         gc.collect()
@@ -206,8 +230,11 @@ def measure_hf_llama_8b(tp: int = 8, repeats: int = 1) -> dict | None:
         run = dict(capture_s=w1 - w0, capture_cpu_s=c1 - c0, transform_s=w2 - w1, transform_cpu_s=c2 - c1,
                    total_s=w2 - w0, total_cpu_s=c2 - c0)
         best = {k: min(v, best.get(k, v)) for k, v in run.items()}
-    return dict(model="HF Llama-3-8B config (meta)", tp=tp, layers=32, captured_nodes=len(gm.graph.nodes),
-                nodes=len(sharded.graph.nodes), **best)
+    assert all(t.is_meta for t in sharded.parameters()), "a parameter was materialized"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(model=f"HF Llama-3-{size} config (meta)", params=n_params, tp=tp, layers=config.num_hidden_layers,
+                captured_nodes=len(gm.graph.nodes), nodes=len(sharded.graph.nodes), peak_rss=peak,
+                rss_before=rss_before, bf16_bytes=2 * n_params, **best)
 
 
 def main(argv=None) -> int:
@@ -244,13 +271,20 @@ def main(argv=None) -> int:
                                ("small_gc_s", f"{small} gc on", ".4f"), ("large_gc_s", f"{large} gc on", ".4f"),
                                ("ratio_gc", "ratio gc on", ".2f")]))
     if not args.no_hf:
-        hf = measure_hf_llama_8b(repeats=args.repeats)
-        if hf is not None:
-            result["hf_llama_8b"] = hf
-            print(f"\n{hf['model']}, Plan.from_hf, MeshSpec tp={hf['tp']} (goal: under 5 s):")
-            print(table([hf], [("captured_nodes", "captured nodes", "d"), ("nodes", "nodes after", "d"),
-                               ("capture_s", "capture (torch.export) s", ".2f"), ("transform_s", "transform s", ".2f"),
-                               ("total_s", "total wall s", ".2f"), ("total_cpu_s", "total CPU s", ".2f")]))
+        meta_rows = [r for r in (measure_hf_llama_meta(size, repeats=args.repeats) for size in args.hf_sizes.split(",")) if r]
+        if meta_rows:
+            result["hf_llama_8b"] = meta_rows[0]
+            result["hf_llama_meta"] = meta_rows
+            for r in meta_rows:
+                r["peak_h"], r["weights_h"] = fmt_bytes(r["peak_rss"]), fmt_bytes(r["bf16_bytes"])
+            print(f"\nHF Llama-3 configs on the meta device, Plan.from_hf, MeshSpec tp={meta_rows[0]['tp']} "
+                  f"(goal: under 5 s for 8B); peak memory: the whole process (Python, torch, transformers), "
+                  f"never the weights:")
+            print(table(meta_rows, [("model", "model", ""), ("captured_nodes", "captured nodes", "d"),
+                                    ("nodes", "nodes after", "d"), ("capture_s", "capture (torch.export) s", ".2f"),
+                                    ("transform_s", "transform s", ".2f"), ("total_s", "total wall s", ".2f"),
+                                    ("total_cpu_s", "total CPU s", ".2f"), ("peak_h", "peak RSS", ""),
+                                    ("weights_h", "bf16 weights", "")]))
     if args.profile:
         text = profile_transform(layers[-1], plan, ids)
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,12 @@ from . import launch
 
 
 def _train(model, step_inputs, steps, lr=0.05, show_progress=False):
-    from .testing.bench import progress
+    from .progress import progress
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     # a progress bar on long runs only (rank 0): short ones finish before it would say anything
-    with progress(steps, "training", enabled=show_progress and steps >= 20) as bar:
+    with progress(steps, "training", show=show_progress and steps >= 20, unit="step") as bar:
         for _ in range(steps):
             losses.append(_step(model, opt, step_inputs))
             bar.update()

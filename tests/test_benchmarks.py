@@ -99,19 +99,22 @@ def test_communication(results):
 
 def test_transform_time(results):
     out = results / "transform_time.json"
-    text = _run([str(BENCH / "transform_time.py"), "--layers", "1,2", "--repeats", "1", "--no-plot", "--out", str(out)])
+    text = _run([str(BENCH / "transform_time.py"), "--layers", "1,2", "--repeats", "1", "--no-plot", "--hf-sizes", "8B",
+                 "--out", str(out)])
     assert "growth 2/1 layers" in text
     res = _results(out)
     one, two = res["rows"]
     assert two["traced_nodes"] > one["traced_nodes"] and two["nodes"] > one["nodes"]
     assert {"normalize", "propagate", "redistribute", "_fresh_copy"} <= set(two["passes_s"])
     assert res["growth"]["nodes"] == two["nodes"] / one["nodes"]
+    (meta,) = res["hf_llama_meta"]  # Llama-3-8B on the meta device: 16 GB of bf16 weights never allocated
+    assert meta["params"] > 8e9 and meta["nodes"] > 1000 and meta["peak_rss"] < meta["bf16_bytes"] / 4
 
 
 def test_memory(results):
     out = results / "memory.json"
     text = _run([str(BENCH / "memory.py"), "--tp", "2", "--batch", "4", "--seqlen", "32", "--vocab", "4096",
-                 "--out", str(out)])
+                 "--no-checkpoint", "--out", str(out)])
     assert "loss parallel / gathered logits" in text
     rows = {r["variant"]: r for r in _results(out)}
     # logits are 4x32x4096 fp32 = 2 MiB; sharded in two with loss parallel
@@ -120,6 +123,18 @@ def test_memory(results):
     assert rows["loss parallel"]["param_bytes"] == rows["gathered"]["param_bytes"] < rows["dense"]["param_bytes"]
     assert rows["loss parallel"]["peak_bytes"] < 0.75 * rows["gathered"]["peak_bytes"]
     assert rows["gathered"]["peak_bytes"] >= 2 * rows["gathered"]["logits_bytes"]  # the profiler saw the logits
+
+
+def test_memory_checkpoint_load(results):
+    out = results / "memory_checkpoint.json"
+    text = _run([str(BENCH / "memory.py"), "--checkpoint-only", "--tp", "2", "--ckpt-hidden", "512", "--ckpt-layers", "2",
+                 "--ckpt-out", str(out)], timeout=300)
+    assert "checkpoint load" in text
+    (row,) = _results(out)["rows"]
+    assert row["files"] > 1 and row["params"] > 3e7
+    # each rank's private memory grows by its shards (half the checkpoint), never a full copy
+    assert row["local"] < 0.55 * row["checkpoint_bytes"]
+    assert row["anon"] < row["local"] + 24 * 2**20
 
 
 def test_equivalence_script(results):

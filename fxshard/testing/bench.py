@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -50,12 +49,13 @@ import torch
 import torch.distributed as dist
 
 from ..launch import spawn
+from ..progress import progress
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "StepSize", "SIZES", "MODES", "CONTENDERS", "torch_llama_plan", "MegatronLlama",
-    "run_step_time", "time_on_mesh", "format_table", "summary_ratios", "progress",
+    "run_step_time", "time_on_mesh", "format_table", "summary_ratios",
     "HF_CONTENDERS", "HF_SIZES", "SUITES", "Suite", "hf_llama", "hf_llama_config", "hf_tp_model",
     "torch_hf_llama_plan", "interleave", "first_loss_spread",
 ]
@@ -100,62 +100,6 @@ SIZES = {
     "gpu": StepSize("gpu", dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32768,
                     batch=4, seqlen=1024, iters=10),
 }
-
-
-# --------------------------------------------------------------------------- progress
-
-
-class _TextBar:
-    """A tqdm stand-in (no dependency): one line every ~10 %, to stderr."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n, self.t0, self.shown = total, desc, 0, time.monotonic(), -1
-
-    def update(self, k: int = 1) -> None:
-        self.n += k
-        tenth = self.n * 10 // max(self.total, 1)
-        if tenth != self.shown:
-            self.shown = tenth
-            print(f"{self.desc}: {self.n}/{self.total} steps ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
-
-    def set_description(self, desc: str) -> None:
-        self.desc = desc
-
-    def close(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def progress(total: int, desc: str, enabled: bool = True) -> Iterator:
-    """A progress bar on stderr: tqdm when installed, else a line every 10 %.
-
-    Example::
-
-        with progress(100, "steps") as bar:
-            for _ in range(100):
-                bar.update()
-    """
-    if not enabled:
-        yield _Null()
-        return
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, dynamic_ncols=True)
-    except ImportError:
-        bar = _TextBar(total, desc)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-class _Null:
-    def update(self, k: int = 1) -> None:
-        pass
-
-    def set_description(self, desc: str) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- the plan dict
@@ -754,7 +698,7 @@ def time_on_mesh(mesh, sizes: Iterable[StepSize], modes: Iterable[str] = ("eager
     steps = {s.name: iters if iters is not None else s.iters for s in sizes}  # timed steps per contender
     total = sum(len(modes) * len(names) * (warmup + steps[s.name]) for s in sizes)
     rows = []
-    with progress(total, f"step time {model}", enabled=show_progress and rank == 0) as bar:
+    with progress(total, f"step time {model}", show=show_progress and rank == 0, unit="step") as bar:
         for size in sizes:
             for mode in modes:
                 bar.set_description(f"step time {model} {size.name}/{mode}")

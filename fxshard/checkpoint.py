@@ -195,7 +195,7 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
     on_meta = [k for k, v in views.items() if v.local.is_meta]
     if on_meta:
         raise PlanError(f"fxshard.load: {on_meta[:4]} are on the meta device; call fxshard.materialize(sharded, "
-                         f"model, device=..., init=None) first")
+                        f"model, device=..., init=None) first")
     missing = [k for k in views if f"model.{k}" not in saved]
     if missing:
         raise PlanError(f"fxshard.load: {path} has no {missing[:8]}; was it saved from this model?")
@@ -203,7 +203,7 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
         md = saved[f"model.{fqn}"]
         if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(v.global_size):
             raise PlanError(f"fxshard.load: {fqn} has the global shape {tuple(md.size)} in {path}, the model's is "
-                             f"{tuple(v.global_size)}")
+                            f"{tuple(v.global_size)}")
     sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
     if optimizer is not None:
         sd.update(_optimizer_targets(optimizer, views, names, saved))
@@ -255,5 +255,5 @@ def _restore_optimizer(optimizer, names, sd) -> None:
         groups.append({**saved, "params": [index[f] for f in saved["params"]]})
     if len(groups) != len(optimizer.param_groups):
         raise PlanError(f"fxshard.load: the checkpoint has {len(groups)} parameter groups, the optimizer "
-                         f"{len(optimizer.param_groups)}")
+                        f"{len(optimizer.param_groups)}")
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -114,7 +114,7 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
     meta_left = [fqn for fqn, t in local.items() if t.is_meta]
     if meta_left:
         raise PlanError(f"load_hf_checkpoint: {meta_left[:4]} are on the meta device; call "
-                         f"fxshard.materialize(sharded, model, device=..., init=None) first")
+                        f"fxshard.materialize(sharded, model, device=..., init=None) first")
     to_fqn = checkpoint_names(sharded, files, model)
     unexpected = [name for name in files if to_fqn[name] not in local]
     loaded: set[int] = set()
@@ -126,25 +126,27 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
         if to_fqn[name] in local:
             by_file.setdefault(f, []).append(name)
     bar = progress(sum(len(v) for v in by_file.values()), "loading checkpoint", show_progress)
-    with torch.no_grad():
-        for f, names in by_file.items():
-            with safe_open(f, framework="pt") as st:
-                for name in names:
-                    fqn = to_fqn[name]
-                    t = local[fqn]
-                    piece = st.get_slice(name)
-                    shape = tuple(piece.get_shape())
-                    _, want = sharded.meta["fxshard_state"].get(fqn, (None, tuple(t.shape)))
-                    if tuple(want) != shape:
-                        raise PlanError(f"load_hf_checkpoint: {name} has shape {shape} in {f.name}, the model's is "
-                                         f"{tuple(want)}; is it the checkpoint of this config?")
-                    target = t.to_local() if hasattr(t, "to_local") else t
-                    assemble(runs_of(sharded, fqn, mesh, t), lambda box: piece[box.glob].to(target.dtype), target.data)
-                    loaded.add(id(t))
-                    bar.update(1)
-    bar.close()
+    try:
+        with torch.no_grad():
+            for f, names in by_file.items():
+                with safe_open(f, framework="pt") as st:
+                    for name in names:
+                        fqn = to_fqn[name]
+                        t = local[fqn]
+                        piece = st.get_slice(name)
+                        shape = tuple(piece.get_shape())
+                        _, want = sharded.meta["fxshard_state"].get(fqn, (None, tuple(t.shape)))
+                        if tuple(want) != shape:
+                            raise PlanError(f"load_hf_checkpoint: {name} has shape {shape} in {f.name}, the model's is "
+                                            f"{tuple(want)}; is it the checkpoint of this config?")
+                        target = t.to_local() if hasattr(t, "to_local") else t
+                        assemble(runs_of(sharded, fqn, mesh, t), lambda box: piece[box.glob].to(target.dtype), target.data)
+                        loaded.add(id(t))
+                        bar.update(1)
+    finally:
+        bar.close()
     missing = [fqns[0] for tid, fqns in by_tensor.items()
                if tid not in loaded and any(f in persistent for f in fqns)]
     if strict and missing:
-        raise PlanError(f"load_hf_checkpoint: the checkpoint lacks {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                       f"(pass strict=False to keep their current values)")
+        raise PlanError(f"load_hf_checkpoint: the checkpoint lacks {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+                        f"\n  fix: is it this model's checkpoint? strict=False keeps their current values")

@@ -90,7 +90,7 @@ def _allocate(gm: nn.Module, device: torch.device) -> None:
     for fqn, t, is_param in named_state(gm):
         if isinstance(t, DTensor):
             raise PlanError(f"materialize: {fqn} is already sharded by FSDP2; call fxshard.materialize before "
-                             f"fxshard.fully_shard")
+                            f"fxshard.fully_shard")
         if id(t) not in new:
             data = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
             new[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
@@ -192,7 +192,7 @@ class _InitReplay:
     def __init__(self, gm, model, mesh, device, cache_bytes):
         if any(not t.is_meta for _, t, _ in named_state(model)):
             raise PlanError("materialize: pass the model fxshard.transform was given, on the meta device "
-                             "(with torch.device('meta'): model = ...)")
+                            "(with torch.device('meta'): model = ...)")
         self.gm, self.mesh, self.device, self.cache_bytes = gm, mesh, device, cache_bytes
         self.model = copy.deepcopy(model)  # free on meta; the init may reassign attributes
         self.local = {fqn: t for fqn, t, _ in named_state(gm)}

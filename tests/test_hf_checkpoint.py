@@ -153,3 +153,71 @@ def test_loaded_model_gives_the_unsharded_logits(tp, tmp_path):
     path = _save(single, tmp_path / "llama")
     torch.save(single.state_dict(), path / "state.pt")
     spawn(_logits_match, tp, str(path), cfg, tp)
+
+
+def _attention_plan(mesh):
+    """Megatron attention; the experts stay whole on every rank (expert parallelism of
+    HF's fused experts is issue 11's)."""
+    from fxshard import colwise, rowwise
+
+    attn = "model.layers.*.self_attn."
+    return Plan(mesh, {attn + "q_proj": colwise(), attn + "k_proj": colwise(), attn + "v_proj": colwise(),
+                       attn + "o_proj": rowwise()})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_moe_checkpoint_experts_are_stacked_from_per_expert_tensors(family, tmp_path):
+    """HF saves MoE experts one by one (``experts.3.w1.weight``) and stacks them on load
+    into ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj``, by its own conversion table.
+    load_hf_checkpoint follows that table, reading box by box."""
+    cfg = tiny_config(family)
+    single = _build(cfg)
+    path = _save(single, tmp_path / family)
+    from fxshard.hf_checkpoint import checkpoint_files
+
+    assert any(".experts.0." in k for k in checkpoint_files(path)), "the checkpoint keeps per-expert tensors"
+    full = single.state_dict()
+    meta = _build(cfg, "meta")
+    for r in range(2):
+        mesh = MeshSpec(("tp",), (2,), coordinate=(r,))
+        sharded = fxshard.transform(meta, _attention_plan(mesh), example_kwargs={"input_ids": IDS})
+        fxshard.materialize(sharded, meta, init=None)
+        fxshard.load_hf_checkpoint(sharded, path)
+        for fqn, t in sharded.state_dict().items():
+            assert torch.equal(t, expected_local(sharded, mesh, full[fqn], fqn)), f"{family} rank {r}: {fqn}"
+
+
+def test_stacked_sources_read_only_their_box(tmp_path):
+    """A box of gate_up_proj (experts 1..2, rows across the gate/up seam) reads just its
+    elements from the per-expert tensors: what a rank holding a shard of it reads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from fxshard.hf_checkpoint import Concatenated, Leaf, Stacked, read_box
+
+    g = torch.Generator().manual_seed(0)
+    w1 = [torch.randn(6, 4, generator=g) for _ in range(3)]
+    w3 = [torch.randn(6, 4, generator=g) for _ in range(3)]
+    tensors = {f"e{i}.w1": w1[i] for i in range(3)} | {f"e{i}.w3": w3[i] for i in range(3)}
+    f = tmp_path / "moe.safetensors"
+    save_file(tensors, f)
+    source = Concatenated(1, [Stacked(0, [Leaf(f"e{i}.w1", f, (6, 4)) for i in range(3)]),
+                              Stacked(0, [Leaf(f"e{i}.w3", f, (6, 4)) for i in range(3)])])
+    whole = torch.cat([torch.stack(w1), torch.stack(w3)], 1)  # what HF's conversion makes
+    assert source.shape == tuple(whole.shape) == (3, 12, 4)
+    read = []
+    with safe_open(f, framework="pt") as st:
+        class Counting:
+            def get_slice(self, name):
+                piece = st.get_slice(name)
+
+                class S:
+                    def __getitem__(self, box):
+                        out = piece[box]
+                        read.append(out.numel())
+                        return out
+                return S()
+        box = (slice(1, 3), slice(4, 9), slice(1, 4))
+        got = read_box(source, box, lambda _: Counting())
+    assert torch.equal(got, whole[box])
+    assert sum(read) == got.numel()

@@ -226,3 +226,22 @@ def test_example_inputs_on_meta_or_cpu_give_the_same_program():
     on_meta = fxshard.transform(model, Plan.from_hf(mesh, model), example_kwargs={"input_ids": IDS.to("meta")})
     assert on_cpu.code == on_meta.code
     assert "device(type=" not in on_cpu.code and "input_device = input_ids.device" in on_cpu.code
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_hf_moe_init_equals_single_device_slices(family):
+    """HF's fused 3-D experts (``gate_up_proj [E, 2I, H]``) and Qwen2-MoE's shared expert
+    get HF's init too; attention sharded, experts whole on each rank."""
+    from fxshard import colwise, rowwise
+
+    model = _hf(family)
+    ref = _reference(model, lambda m: m.initialize_weights())
+    full = {**ref.state_dict(), **dict(ref.named_buffers())}
+    attn = "model.layers.*.self_attn."
+    for r in range(2):
+        sharded, mesh = _transform(model, lambda mesh, m: Plan(mesh, {attn + "q_proj": colwise(), attn + "k_proj": colwise(),
+                                                                       attn + "v_proj": colwise(), attn + "o_proj": rowwise()}),
+                                   (r,), example_kwargs={"input_ids": IDS})
+        torch.manual_seed(0)
+        fxshard.materialize(sharded, model)
+        _assert_slices(sharded, mesh, full, f"{family}: ")

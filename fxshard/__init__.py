@@ -15,7 +15,7 @@ Example::
 """
 from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
 from .mesh import MeshSpec
-from .plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel, vocab_parallel
+from .plan import ContextParallel, ModuleSpec, Plan, colwise, context_parallel, rowwise, sequence_parallel, vocab_parallel
 from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, reduce_scatter, shard
 from .trace import trace
 from .transform import transform
@@ -25,7 +25,8 @@ from .comm import comm_summary
 from .explain import explain
 from .dump_formats import render, to_dot, to_json, to_networkx
 from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
-from .loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
+from .loss import global_mean_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
+from .cp_ops import context_parallel_mask, gather_sequence, local_positions, ring_attention, split_sequence
 from .state import full_state_dict, load_full_state_dict
 from .materialize import materialize
 from .hf_checkpoint import load_hf_checkpoint
@@ -33,11 +34,13 @@ from .checkpoint import load, save
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
+    "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
     "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",
-    "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss",
+    "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "global_mean_cross_entropy",
+    "ring_attention", "context_parallel_mask", "local_positions",
     # runtime collectives called by the generated code
     "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket",
 ]

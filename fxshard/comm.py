@@ -22,6 +22,7 @@ fxshard op          forward            backward
 ``all_to_all``      all-to-all         all-to-all
 ``grad_sync``       --                 all-reduce
 ``grad_sync_bucket``  --               one all-reduce of the members' gradients
+``ring_attention``  n-1 ring shifts    2n-1 ring shifts (K, V with dK, dV)
 ==================  =================  ==========================================
 
 The loss-parallel functions of :mod:`fxshard.loss` communicate inside; their rows
@@ -61,6 +62,7 @@ C10D_OPS = {
     "all_gather": "all_gather_into_tensor",
     "reduce_scatter": "reduce_scatter_tensor",
     "all_to_all": "all_to_all_single",
+    "ring_shift": "all_to_all_single",  # one block to the next rank of the ring (context parallelism)
 }
 
 PHASES = ("forward", "backward")
@@ -105,6 +107,8 @@ class CommRow:
         n = self.axis_size
         if n < 1:  # axis size unknown (a graph without gm.meta["fxshard_mesh"])
             return self.bytes
+        if self.kind == "ring_shift":
+            return self.bytes  # the whole block goes to one neighbour
         factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
         return int(round(self.bytes * factor))
 
@@ -286,6 +290,8 @@ def _calls(node: fx.Node) -> list[tuple]:
         flat = TensorInfo({}, (sum(math.prod(m.shape) for m in members),), (sum(math.prod(m.local_shape) for m in members),),
                           members[0].dtype)
         return [("backward", "all_reduce", coll.axis, flat, coll.op, coll.purpose)]
+    if coll is not None and coll.op == "ring_attention":
+        return _ring_calls(node, coll)
     if coll is not None:
         src, out = _tensor(node.args[0] if node.args else None), _tensor(node)
         buffers = [v for v in (src, out) if v is not None]
@@ -336,7 +342,24 @@ def _cross_entropy_calls(node: fx.Node) -> list[tuple]:
     if node.kwargs.get("label_smoothing", 0.0):
         calls.append("sum of the logits (label smoothing)")
     name = node.target.__name__
-    return [("forward", "all_reduce", axis, rows, name, what) for what in calls]
+    return [("forward", "all_reduce", axis, rows, name, what) for what in calls] + _mean_calls(node, x.dtype)
+
+
+def _mean_calls(node: fx.Node, dtype) -> list[tuple]:
+    """A mean over tokens sharded on context-parallel axes: the loss sum and the token
+    count, one all-reduce each per axis (``fxshard.loss._global_mean``)."""
+    axes = node.kwargs.get("mean_axes") or ()
+    if node.kwargs.get("reduction", "mean") != "mean":
+        return []
+    one = TensorInfo({}, (), (), dtype)
+    return [("forward", "all_reduce", a, one, node.target.__name__, what) for a in axes for what in ("loss sum", "token count")]
+
+
+def _global_mean_calls(node: fx.Node) -> list[tuple]:
+    x = _tensor(node.args[0])
+    axes = node.args[2] if len(node.args) > 2 else node.kwargs.get("axes", ())
+    one = TensorInfo({}, (), (), x.dtype if x is not None else torch.float32)
+    return [("forward", "all_reduce", a, one, node.target.__name__, what) for a in axes for what in ("loss sum", "token count")]
 
 
 def _log_softmax_calls(node: fx.Node) -> list[tuple]:
@@ -357,7 +380,30 @@ def _nll_loss_calls(node: fx.Node) -> list[tuple]:
     if x is None:
         return []
     rows = _per_row(x, 1 if len(x.local_shape) > 1 else 0, keepdim=False)
-    return [("forward", "all_reduce", node.args[2], rows, node.target.__name__, "target log-probability")]
+    return [("forward", "all_reduce", node.args[2], rows, node.target.__name__, "target log-probability")] + \
+        _mean_calls(node, x.dtype)
+
+
+def _ring_calls(node: fx.Node, coll) -> list[tuple]:
+    """``fxshard.ring_attention``: ``n-1`` hops of the K and V blocks forward; backward
+    ``n-1`` hops of K, V and their gradient accumulators, and one last hop of dK, dV.
+    The blocks travel in float32 (the kernel's accumulation dtype)."""
+    n = (node.graph.owning_module.meta.get("fxshard_mesh") or {}).get(coll.axis, 0)
+    k, v = _tensor(node.args[1]), _tensor(node.args[2])
+    if k is None or v is None or n < 2:
+        return []
+    k32, v32 = (TensorInfo({}, t.shape, t.local_shape, torch.float32) for t in (k, v))
+    rows = []
+    for _ in range(n - 1):
+        rows += [("forward", "ring_shift", coll.axis, k32, coll.op, "K block"),
+                 ("forward", "ring_shift", coll.axis, v32, coll.op, "V block")]
+    for hop in range(n):
+        if hop < n - 1:
+            rows += [("backward", "ring_shift", coll.axis, k32, coll.op, "K block"),
+                     ("backward", "ring_shift", coll.axis, v32, coll.op, "V block")]
+        rows += [("backward", "ring_shift", coll.axis, k32, coll.op, "dK accumulator"),
+                 ("backward", "ring_shift", coll.axis, v32, coll.op, "dV accumulator")]
+    return rows
 
 
 # Expert-parallel all-to-alls move as many tokens as the router sends: their sizes are
@@ -368,6 +414,7 @@ _INSIDE = {
     "vocab_parallel_cross_entropy": _cross_entropy_calls,
     "vocab_parallel_log_softmax": _log_softmax_calls,
     "vocab_parallel_nll_loss": _nll_loss_calls,
+    "global_mean_cross_entropy": _global_mean_calls,
 }
 
 

@@ -242,7 +242,7 @@ class _Walk:
             return self._graph_input(node), []
         if node.op == "get_attr":
             return self._parameter(node, rule), []
-        if coll is not None:
+        if coll is not None and coll.op != "ring_attention":  # ring attention keeps q's layout: a rule
             return self._collective(node, coll, rule)
         bucket = node.args[0] if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node) else None
         bucket_coll = getattr(_meta(bucket), "collective", None) if bucket is not None else None

@@ -52,14 +52,27 @@ def _rows(x: torch.Tensor, target: torch.Tensor):
     return x.movedim(1, -1).reshape(-1, c), target.reshape(-1)
 
 
-def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str, shape) -> torch.Tensor:
+def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str, shape, mean_axes=()) -> torch.Tensor:
     if reduction == "none":
         return per_token.reshape(shape)
     if reduction == "sum":
         return per_token.sum()
     if reduction == "mean":
-        return per_token.sum() / valid.sum()
+        return _global_mean(per_token.sum(), valid.sum(), mean_axes)
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _global_mean(total: torch.Tensor, count: torch.Tensor, axes) -> torch.Tensor:
+    """``total / count`` with both summed over ``axes`` (tokens sharded there).  The sum
+    of the totals is an all-reduce with identity backward: each rank's tokens get the
+    gradient ``1 / global count``, as on one device."""
+    count = count.to(total.dtype)
+    for axis in axes:
+        ax = _comm_axis(axis, "global_mean_cross_entropy")
+        if ax.size > 1:
+            total = runtime.all_reduce(total, axis)
+            count = runtime._raw_all_reduce(count.detach(), ax)
+    return total / count
 
 
 def _pick(local: torch.Tensor, t: torch.Tensor, axis: str) -> torch.Tensor:
@@ -72,27 +85,30 @@ def _pick(local: torch.Tensor, t: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 def vocab_parallel_nll_loss(local_logp: torch.Tensor, target: torch.Tensor, axis: str,
-                            ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                            ignore_index: int = -100, reduction: str = "mean", mean_axes: tuple[str, ...] = ()) -> torch.Tensor:
     """``nll_loss`` of log-probabilities whose class dim (dim 1) is sharded on ``axis``.
 
     The target entry is picked on the rank that owns it and summed over the axis
-    (all-reduce, identity backward); the result is replicated.
+    (all-reduce, identity backward); the result is replicated.  ``mean_axes``: axes
+    the tokens are sharded on (context parallelism): the mean is over all of them.
     """
     logp, t = _rows(local_logp, target)
     picked = _pick(logp, t, axis)
     valid = t != ignore_index
     per_token = torch.where(valid, -picked, torch.zeros_like(picked))
-    return _reduce(per_token, valid, reduction, target.shape)
+    return _reduce(per_token, valid, reduction, target.shape, mean_axes)
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor, axis: str = "tp",
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, mean_axes: tuple[str, ...] = ()) -> torch.Tensor:
     """``F.cross_entropy`` of logits whose class dim (dim 1, or the last dim of 2-D
     logits) is sharded on ``axis``; the full logits are never gathered.
 
     Same semantics as ``F.cross_entropy`` for ``ignore_index``, ``reduction`` in
     {mean, sum, none} and ``label_smoothing`` (class weights are not supported).
+    ``mean_axes``: axes the tokens are sharded on (context parallelism): the mean is
+    over the tokens of all their ranks.
     """
     x, t = _rows(local_logits, target)
     # loss_i = logsumexp_i - x[i, t_i]: every term is replicated, so no grad sync is needed.
@@ -104,10 +120,31 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
         per_token = (1.0 - label_smoothing) * per_token + label_smoothing * smooth
     valid = t != ignore_index
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    return _reduce(per_token, valid, reduction, target.shape)
+    return _reduce(per_token, valid, reduction, target.shape, mean_axes)
 
 
-for _fn in (vocab_parallel_log_softmax, vocab_parallel_nll_loss, vocab_parallel_cross_entropy):
+def global_mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axes: tuple[str, ...], weight=None,
+                              ignore_index: int = -100, label_smoothing: float = 0.0, nll: bool = False) -> torch.Tensor:
+    """``F.cross_entropy(..., reduction="mean")`` (``F.nll_loss`` with ``nll=True``) of
+    tokens sharded over ``axes`` (a context-parallel sequence): the mean over the
+    tokens of all ranks, ``ignore_index`` targets and class weights counted globally.
+    Replicated over ``axes``.
+
+    Example: ``loss = fxshard.global_mean_cross_entropy(logits.flatten(0, 1), targets.flatten(), ("cp",))``
+    """
+    import torch.nn.functional as F
+
+    if nll:
+        total = F.nll_loss(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    else:
+        total = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                                label_smoothing=label_smoothing)
+    valid = target != ignore_index
+    count = valid.sum() if weight is None else (weight[target.clamp(min=0)] * valid).sum()
+    return _global_mean(total, count, axes)
+
+
+for _fn in (vocab_parallel_log_softmax, vocab_parallel_nll_loss, vocab_parallel_cross_entropy, global_mean_cross_entropy):
     _fn.__module__ = "fxshard"
     torch.fx.wrap(_fn.__name__)
 del _fn

@@ -45,6 +45,8 @@ class ModuleSpec:
       optional_params: names in ``params`` that a module may lack (a Linear without bias).
       splits:   sizes of the parts a fused weight's sharded dim is made of (``[q, k, v]``);
                 each part is sharded on its own, so every rank holds its slice of every part.
+      context_parallel: a :class:`ContextParallel`: the attention inside this module runs
+                on a sequence sharded over its axis (:func:`context_parallel`).
       style:    name of the preset that built the spec (for printing).
 
     Example::
@@ -63,6 +65,7 @@ class ModuleSpec:
     compute: Callable | None = None
     optional_params: tuple[str, ...] = ()
     splits: tuple[int, ...] | None = None
+    context_parallel: "ContextParallel | None" = None
     style: str | None = field(default=None, compare=False)  # a name for printing: a preset equals its spelled-out spec
 
     def __post_init__(self):
@@ -89,6 +92,8 @@ class ModuleSpec:
             parts.append(f"out_names={self.out_names}")
         if self.splits:
             parts.append(f"splits={list(self.splits)}")
+        if self.context_parallel is not None:
+            parts.append(f"context_parallel={self.context_parallel!r}")
         if self.local:
             parts.append("local=True")
         if self.compute is not None:
@@ -179,6 +184,53 @@ def vocab_parallel(axis: str = "tp", *, out: Placement = Replicate()) -> ModuleS
         out_dst={axis: out},
         style="vocab_parallel",
     )
+
+
+CP_METHODS = ("allgather", "ring")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Attention on a sequence sharded over ``axis`` (see :func:`context_parallel`).
+
+    ``method``: ``"allgather"`` (K and V gathered, local queries attend to the whole
+    sequence) or ``"ring"`` (K/V blocks passed around the ring, online-softmax merge).
+    ``load_balance``: rank ``i`` holds chunks ``i`` and ``2n-1-i`` of the sequence (the
+    causal work is then the same on every rank) instead of chunk ``i`` of ``n``.
+    """
+
+    axis: str = "cp"
+    method: str = "allgather"
+    load_balance: bool = True
+
+
+def context_parallel(axis: str = "cp", *, method: str = "allgather", load_balance: bool = True) -> ModuleSpec:
+    """Context parallelism for the attention inside a module (``"layers.*.attention"``).
+
+    The plan shards the token inputs on the sequence dim over ``axis``
+    (``inputs={"tokens": {"cp": Shard(1)}}``); every value derived from them stays
+    sequence-sharded, and the ``scaled_dot_product_attention`` inside this module is
+    replaced by one on the whole sequence: ``method="allgather"`` gathers K and V
+    (backward: reduce-scatter of dK/dV) and masks with the rank's global positions;
+    ``method="ring"`` passes K/V blocks around the ring and merges with an online
+    softmax (blocks wholly above the causal diagonal are skipped).  Positions
+    (``torch.arange``, rotary tables, learned position embeddings) read each rank's
+    global positions, and a mean cross-entropy is the mean over all tokens.
+
+    ``load_balance=True``: rank ``i`` holds chunks ``i`` and ``2n-1-i`` of ``2n``, so
+    causal attention costs the same on every rank; pass inputs split with
+    :func:`fxshard.split_sequence`.  ``False``: rank ``i`` holds the contiguous slice
+    ``i*T/n : (i+1)*T/n``.
+
+    Example::
+
+        plan = fxshard.Plan(mesh, {"layers.*.attention": fxshard.context_parallel("cp")},
+                            inputs={"tokens": {"cp": Shard(1)}})
+        local_ids = fxshard.split_sequence(ids, "cp")     # after transform binds the mesh
+    """
+    if method not in CP_METHODS:
+        raise PlanError(f"context_parallel(method={method!r}): use one of {list(CP_METHODS)}")
+    return ModuleSpec(context_parallel=ContextParallel(axis, method, bool(load_balance)), style="context_parallel")
 
 
 def _for_module_type(spec: ModuleSpec, module_type: type | None) -> ModuleSpec:
@@ -274,8 +326,35 @@ class Plan:
                 )
             self._check_spec(pattern, spec)
         self._regex = {p: _pattern_regex(p) for p in self.specs}
+        self.context_parallel_axes()  # one load_balance per axis
+
+    def context_parallel_axes(self) -> dict[str, ContextParallel]:
+        """``{axis: ContextParallel}`` of the axes the plan's attention is context-parallel
+        on.  Every entry of one axis must agree on ``load_balance`` (it fixes which
+        positions each rank holds, for the whole sequence)."""
+        out: dict[str, ContextParallel] = {}
+        for pattern, spec in self.specs.items():
+            cp = spec.context_parallel
+            if cp is None:
+                continue
+            if cp.axis in out and out[cp.axis].load_balance != cp.load_balance:
+                raise PlanError(f"plan entry {pattern!r}: context_parallel(load_balance={cp.load_balance}) on {cp.axis!r}, but "
+                                f"another entry says load_balance={out[cp.axis].load_balance}; the sequence has one layout per "
+                                f"axis: give every context_parallel entry of {cp.axis!r} the same load_balance")
+            out.setdefault(cp.axis, cp)
+        return out
 
     def _check_spec(self, pattern: str, spec: ModuleSpec) -> None:
+        cp = spec.context_parallel
+        if cp is not None:
+            if cp.axis not in self.axes:
+                raise PlanError(f"plan entry {pattern!r}: context_parallel axis {cp.axis!r} is not an axis of the mesh, whose axes "
+                                f"are {list(self.axes)}; name the axis the sequence is sharded on")
+            if cp.method not in CP_METHODS:
+                raise PlanError(f"plan entry {pattern!r}: context_parallel method {cp.method!r}; use one of {list(CP_METHODS)}")
+            if cp.axis == self.fsdp:
+                raise PlanError(f"plan entry {pattern!r}: axis {cp.axis!r} is given to FSDP2 (fsdp=) and to context parallelism; "
+                                f"use one axis for the batch (FSDP2) and another for the sequence")
         for name, layout in spec.params.items():
             complete(layout, self.axes, f"plan entry {pattern!r} params[{name!r}]")
         for field_name in ("inputs", "in_src", "out_src", "out_dst"):

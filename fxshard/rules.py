@@ -32,10 +32,11 @@ R = Replicate()
 class Ctx:
     """What a rule sees: the node, the mesh axes, argument infos and the global output value."""
 
-    def __init__(self, node: fx.Node, axes: dict[str, int], fsdp_axes: tuple[str, ...] = ()):
+    def __init__(self, node: fx.Node, axes: dict[str, int], fsdp_axes: tuple[str, ...] = (), cp_axes: tuple[str, ...] = ()):
         self.node = node
         self.axes = axes
         self.fsdp_axes = fsdp_axes  # axes whose gradients FSDP2 averages (Plan(fsdp=...))
+        self.cp_axes = cp_axes  # axes the sequence is sharded on (fxshard.context_parallel)
         self.val = node.meta.get("val")
 
     # -- arguments ---------------------------------------------------------------------
@@ -404,9 +405,13 @@ def outer(ctx: Ctx):
 
 
 def sdpa(ctx: Ctx):
+    """scaled_dot_product_attention: q/k/v sharded alike on batch or heads; sharded on
+    the sequence dim only inside a context-parallel module on that axis, where the
+    ``context_parallel`` pass replaces it (``rewrite = "context_parallel"``)."""
     q, k, v = ctx.t(0, "query"), ctx.t(1, "key"), ctx.t(2, "value")
     mask = ctx.t(3, "attn_mask")
     nd = len(q.shape)
+    cp = ctx.node.meta[KEY].extra.get("context_parallel")
 
     def one(axis):
         ps = {q.layout[axis], k.layout[axis], v.layout[axis]}
@@ -419,11 +424,11 @@ def sdpa(ctx: Ctx):
             return R
         if isinstance(p, Partial):
             raise ctx.fail(f"attention on Partial inputs on axis {axis!r}", reduce_fix(axis))
-        if p.dim >= nd - 2:
-            what = "sequence" if p.dim == nd - 2 else "head"
-            raise ctx.fail(f"attention inputs are sharded on the {what} dim (dim {p.dim}) on axis {axis!r}; "
-                           "attention needs whole sequences and whole heads (context parallelism is not supported yet)",
-                           "shard attention by heads (colwise q/k/v) or by batch, and gather the sequence before attention")
+        if p.dim == nd - 2:
+            return _context_parallel_attention(ctx, cp, axis, q, mask, nd)
+        if p.dim > nd - 2:
+            raise ctx.fail(f"attention inputs are sharded on the head dim (dim {p.dim}) on axis {axis!r}; attention needs whole heads",
+                           "shard attention by heads (colwise q/k/v), by batch, or by sequence (fxshard.context_parallel)")
         if mask is not None:
             mp = mask.layout[axis]
             md = p.dim - (nd - len(mask.shape))
@@ -435,6 +440,37 @@ def sdpa(ctx: Ctx):
         return p
 
     return _layout_map(ctx, one)
+
+
+def _context_parallel_attention(ctx: Ctx, cp, axis: str, q: TensorInfo, mask: TensorInfo | None, nd: int):
+    """Attention on q/k/v sharded on the sequence dim over ``axis``: legal inside a
+    module the plan declares context-parallel on that axis.  The mask, if any, holds
+    whole key rows: Replicate (each rank picks its query rows) or sharded on its query
+    dim like q."""
+    stack = list((ctx.node.meta.get("nn_module_stack") or {}).values())
+    module = stack[-1][0] if stack else "the attention module"
+    if cp is None or cp.axis != axis:
+        where = f"context_parallel({cp.axis!r})" if cp is not None else "no context_parallel"
+        raise ctx.fail(f"attention inputs are sharded on the sequence dim (dim {nd - 2}) on axis {axis!r}, and the plan "
+                       f"says {where} for the module around this attention",
+                       f"declare the module context-parallel on {axis!r}: {{{module!r}: fxshard.context_parallel({axis!r})}} "
+                       f"(use its pattern, e.g. 'layers.*.attention'), or gather the sequence before attention")
+    if ctx.node.kwargs.get("dropout_p", ctx.arg(4, None, 0.0)):
+        raise ctx.fail("attention dropout under context parallelism: each rank would draw its own dropout mask of the "
+                       "gathered keys, not a slice of the single-device one", "set the attention dropout to 0 (eval or dropout_p=0.0)")
+    if mask is not None:
+        mp, md = mask.layout[axis], len(mask.shape) - 2
+        if mask.shape[-1] != q.shape[nd - 2]:
+            raise ctx.fail(f"the attention mask has {mask.shape[-1]} key columns but the sequence has {q.shape[nd - 2]}",
+                           "give the mask one column per key position")
+        if isinstance(mp, Shard) and (mp.dim != md or mask.shape[md] != q.shape[nd - 2]):
+            raise ctx.fail(f"attention mask is {fmt_placement(mp)} on {axis!r}: under context parallelism it must hold whole key "
+                           f"rows, sharded only on its query dim (dim {md}) or Replicate",
+                           f"shard the mask on dim {md} over {axis!r} (inputs={{'mask': {{{axis!r}: Shard({md})}}}}) or keep it Replicate")
+        if isinstance(mp, Partial):
+            raise ctx.fail(f"attention mask is Partial on {axis!r}", reduce_fix(axis))
+    ctx.node.meta[KEY].rewrite = "context_parallel"
+    return Shard(nd - 2)
 
 
 # ----------------------------------------------------------------------------- reductions, norms
@@ -585,7 +621,9 @@ def embedding(ctx: Ctx):
 def cross_entropy(ctx: Ctx):
     """cross_entropy / nll_loss.  Logits sharded on the class dim -> loss parallel
     (rewritten by the ``loss_parallel`` pass); sharded on a batch dim -> Partial for
-    sum/mean (each rank's loss covers its tokens)."""
+    sum (each rank's loss covers its tokens); a mean over tokens sharded on a
+    context-parallel axis is the mean over all of them, Replicate (``extra["mean_axes"]``,
+    rewritten by ``global_mean_loss`` or ``loss_parallel``)."""
     x, target = ctx.t(0, "input"), ctx.t(1, "target")
     reduction_ = ctx.node.kwargs.get("reduction", "mean")
     class_dim = 1 if len(x.shape) > 1 else 0
@@ -609,6 +647,10 @@ def cross_entropy(ctx: Ctx):
             if reduction_ == "mean" and axis in ctx.fsdp_axes:
                 # FSDP2's convention: the objective is the mean over the axis of each rank's loss
                 return Partial("avg")
+            if reduction_ == "mean" and axis in ctx.cp_axes:
+                # the sequence is sharded: the mean over every token of every rank (global_mean_loss)
+                ctx.node.meta[KEY].extra.setdefault("mean_axes", []).append(axis)
+                return R
             if reduction_ == "mean":
                 # the mean over all targets is not the mean of the ranks' means: they count different
                 # numbers of targets once ignore_index (HF's -100 padding) or class weights enter
@@ -623,7 +665,11 @@ def cross_entropy(ctx: Ctx):
             raise ctx.fail(f"targets are sharded on {axis!r} but logits are Replicate", "shard logits and targets the same way")
         return R
 
-    return _layout_map(ctx, one)
+    out = _layout_map(ctx, one)
+    meta = ctx.node.meta[KEY]
+    if meta.extra.get("mean_axes") and meta.rewrite is None:
+        meta.rewrite = "global_mean"  # loss_parallel, if it applies, takes mean_axes along
+    return out
 
 
 # ----------------------------------------------------------------------------- shape ops
@@ -799,15 +845,29 @@ def copy_into(ctx: Ctx):
 
 def narrow(ctx: Ctx):
     """``torch.narrow(x, dim, start, length)``: a slice of a dim that must not be sharded;
-    ``start``/``length`` read at run time are rescaled to that dim by ``localize``."""
+    ``start``/``length`` read at run time are rescaled to that dim by ``localize``.
+
+    ``table.narrow(0, 0, S)`` of a Replicate table with ``S`` the length of a dim
+    sharded on one context-parallel axis (rotary tables sliced to the sequence) is the
+    table at this rank's positions: ``Shard(dim)`` there, and ``localize`` picks the
+    rows (``rewrite = "narrow_positions"``)."""
     x = ctx.t(0)
     nd = len(x.shape)
     dim = _traced_int(ctx, ctx.arg(1, "dim")) % nd
+    start, length = ctx.arg(2, "start"), ctx.arg(3, "length")
+    pos_axis = None
+    if start == 0 and isinstance(length, fx.Node) and ctx.cp_axes:
+        axes = _number_axes(length)
+        if axes is not None and len(axes) == 1 and next(iter(axes)) in ctx.cp_axes:
+            (pos_axis,) = axes
 
     def one(axis):
         p = x.layout[axis]
         if isinstance(p, Shard) and p.dim == dim:
             raise ctx.fail(f"narrow of dim {dim}, which is sharded on {axis!r}", "narrow a Replicate dim, or narrow before sharding")
+        if axis == pos_axis and isinstance(p, Replicate):
+            ctx.node.meta[KEY].rewrite = "narrow_positions"
+            return Shard(dim)
         return p
 
     return _layout_map(ctx, one)
@@ -1022,8 +1082,8 @@ def factory(ctx: Ctx):
     except ``arange(n)`` with ``n`` the size of a dim sharded on one axis (HF's mask
     builder: ``torch.arange(batch_size)``): that is ``Shard(0)`` there, and ``localize``
     adds this rank's offset (``rewrite = "arange_offset"``)."""
-    if ctx.node.target is torch.arange and len(ctx.node.args) == 1 and isinstance(ctx.node.args[0], fx.Node):
-        axes = _number_axes(ctx.node.args[0])
+    if ctx.node.target is torch.arange and _arange_of_size(ctx.node) is not None:
+        axes = _number_axes(_arange_of_size(ctx.node))
         if axes is not None and len(axes) == 1 and isinstance(ctx.val, torch.Tensor):
             ctx.node.meta[KEY].rewrite = "arange_offset"
             (axis,) = axes
@@ -1038,6 +1098,16 @@ def factory(ctx: Ctx):
     if not isinstance(ctx.val, torch.Tensor):
         return scalar_value(ctx)
     return {axis: R for axis in ctx.axes}
+
+
+def _arange_of_size(node: fx.Node) -> fx.Node | None:
+    """``n`` of ``torch.arange(n)`` / ``torch.arange(0, n)`` read at run time, else None."""
+    args = node.args
+    if len(args) == 1 and isinstance(args[0], fx.Node):
+        return args[0]
+    if len(args) == 2 and args[0] == 0 and not isinstance(args[0], bool) and isinstance(args[1], fx.Node):
+        return args[1]
+    return None
 
 
 # ----------------------------------------------------------------------------- the table

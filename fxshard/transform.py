@@ -28,6 +28,8 @@ from .passes.expert_parallel import expert_parallel
 from .passes.defer_bias import defer_bias
 from .passes.vocab_parallel_embedding import vocab_parallel_embedding
 from .passes.loss_parallel import loss_parallel
+from .passes.context_parallel import context_parallel
+from .passes.global_mean_loss import global_mean_loss
 from .passes.redistribute import redistribute
 from .passes.grad_sync import grad_sync
 from .passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
@@ -72,16 +74,20 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             gm = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
             axes = plan.axes
             fsdp_axes = (plan.fsdp,) if plan.fsdp else ()
+            cp_axes = plan.context_parallel_axes()  # {axis: ContextParallel}: the sequence is sharded there
+            load_balanced = tuple(a for a, cp in cp_axes.items() if cp.load_balance)
             block_rx = _pattern_regex(blocks) if blocks else None
             normalize(gm, plan)
             regions(gm, plan)
-            propagate(gm, axes, fsdp_axes)
-            localize(gm, axes)
+            propagate(gm, axes, fsdp_axes, tuple(cp_axes))
+            localize(gm, axes, load_balanced)
+            context_parallel(gm, axes, cp_axes)
             local_regions(gm, axes)
             expert_parallel(gm)
             defer_bias(gm)
             vocab_parallel_embedding(gm, axes)
             loss_parallel(gm)
+            global_mean_loss(gm)
             redistribute(gm, axes)
             grad_sync(gm, fsdp_axes)
             if plan.fsdp:
@@ -93,6 +99,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
         cleanup(gm)
         gm.meta["fxshard_mesh"] = dict(axes)
+        gm.meta["fxshard_context_parallel"] = {a: {"method": cp.method, "load_balance": cp.load_balance}
+                                               for a, cp in plan.context_parallel_axes().items()}
         if plan.fsdp:
             split_blocks(gm, block_rx)
             require_fully_shard(gm, plan.fsdp)

@@ -10,7 +10,10 @@ Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
         ``new_*`` nodes and of ``split`` along a fused projection's sharded dim,
         run-time bounds of slices and ``narrow``; after ``arange(n)`` of a sharded
         size (``rewrite == "arange_offset"``) an ``add`` of this rank's offset (its
-        ``.value`` that of the arange).
+        ``.value`` that of the arange), or on a load-balanced context-parallel axis
+        ``fxshard.local_positions``; ``table.narrow(0, 0, S)`` of a context-parallel
+        length (``rewrite == "narrow_positions"``) becomes ``table.index_select(0,
+        local_positions(...))``.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import runtime
 from fxshard.errors import node_error
@@ -42,9 +45,15 @@ def _sizes_slot(node: fx.Node):
     return None
 
 
-def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
-    """Rewrite literal global sizes of sharded dims to local sizes (in place)."""
-    for node in gm.graph.nodes:
+def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str, ...] = ()) -> fx.GraphModule:
+    """Rewrite literal global sizes of sharded dims to local sizes (in place).
+    ``load_balanced``: context-parallel axes whose ranks hold two chunks of the
+    sequence each (``context_parallel(load_balance=True)``): positions there are not
+    an offset range."""
+    for node in list(gm.graph.nodes):
+        if info(node).rewrite == "narrow_positions":
+            _narrow_positions(gm.graph, node, load_balanced)
+            continue
         if node.target == "split" or node.target is torch.split:
             _split(node, axes)
             continue
@@ -58,7 +67,7 @@ def localize(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         if not isinstance(out, TensorInfo):
             continue
         if info(node).rewrite == "arange_offset":
-            _arange_offset(gm.graph, node, out)
+            _arange_offset(gm.graph, node, out, load_balanced)
             continue
         if node.op == "call_method" and node.target == "unflatten" or node.target is torch.unflatten:
             _unflatten(node, out, axes)
@@ -147,13 +156,17 @@ def _slice_bounds(node, axes):
         node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
 
 
-def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo) -> None:
+def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balanced=()) -> None:
     """``arange(n_local)`` counts from 0 on every rank; the single-device positions of
-    this rank's shard start at ``index_on_axis * n_local``."""
+    this rank's shard start at ``index_on_axis * n_local``.  On a load-balanced axis
+    they are two ranges: the arange becomes ``fxshard.local_positions``."""
     (axis,) = [a for a, p in out.layout.items() if isinstance(p, Shard)]
+    if axis in load_balanced:
+        _as_positions(graph, node, out, axis)
+        return
     users = list(node.users)
     with graph.inserting_after(node):
-        offset = graph.call_function(runtime.local_offset, (axis, node.args[0], node))
+        offset = graph.call_function(runtime.local_offset, (axis, node.args[-1], node))
     with graph.inserting_after(offset):
         shifted = graph.call_function(operator.add, (node, offset))
     for n, rule in ((offset, "rank offset"), (shifted, "arange offset")):
@@ -163,6 +176,52 @@ def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo) -> None:
     shifted.meta["val"] = node.meta.get("val")
     for u in users:
         u.replace_input_with(node, shifted)
+
+
+def _as_positions(graph: fx.Graph, node: fx.Node, out: TensorInfo, axis: str) -> None:
+    """``arange(n)`` on a load-balanced axis: this rank's global positions."""
+    from fxshard.cp_ops import local_positions
+
+    dtype = node.kwargs.get("dtype")
+    with graph.inserting_before(node):
+        pos = graph.call_function(local_positions, (axis, node.args[-1]),
+                                  {"load_balance": True, "device": node.kwargs.get("device")})
+        res = graph.call_method("to", (pos, dtype)) if dtype is not None and dtype != torch.int64 else pos
+    for n in {pos, res}:
+        n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "val") if k in node.meta})
+        info(n).region, info(n).rule, info(n).value = info(node).region, "this rank's positions (load-balanced)", out
+    node.replace_all_uses_with(res)
+    graph.erase_node(node)
+
+
+def _narrow_positions(graph: fx.Graph, node: fx.Node, load_balanced) -> None:
+    """``table.narrow(dim, 0, S)`` with ``S`` the local length of a context-parallel
+    sequence: the rows at this rank's global positions (``index_select``)."""
+    import builtins
+
+    from fxshard.cp_ops import local_positions
+
+    out = info(node).value
+    x = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    length = node.args[3] if len(node.args) > 3 else node.kwargs["length"]
+    (axis,) = [a for a, p in out.layout.items() if isinstance(p, Shard) and p.dim == dim % len(out.shape)
+               and isinstance(info(x).value.layout[a], Replicate)]
+    with graph.inserting_before(node):
+        device = graph.call_function(builtins.getattr, (x, "device"))
+        pos = graph.call_function(local_positions, (axis, length), {"load_balance": axis in load_balanced, "device": device})
+        rows = graph.call_method("index_select", (x, dim, pos))
+    n_local = out.local_shape[dim % len(out.shape)]
+    for n in (device, pos, rows):
+        n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        info(n).region = info(node).region
+    info(pos).value = TensorInfo({a: (Shard(0) if a == axis else p) for a, p in out.layout.items()},
+                                 (out.shape[dim % len(out.shape)],), (n_local,), torch.int64)
+    info(pos).rule = "this rank's positions"
+    info(rows).value, info(rows).rule = out, "rows at this rank's positions"
+    rows.meta["val"] = node.meta.get("val")
+    node.replace_all_uses_with(rows)
+    graph.erase_node(node)
 
 
 def _narrow_bounds(node, axes):

@@ -52,6 +52,8 @@ def loss_parallel(gm: fx.GraphModule) -> fx.GraphModule:
                 if a.get(unsupported) is not None:
                     raise node_error(node, f"the deprecated argument {unsupported}= is not supported", "use reduction=")
             kwargs = {"ignore_index": a.get("ignore_index", -100), "reduction": a.get("reduction", "mean")}
+            if info(node).extra.get("mean_axes"):  # tokens sharded on a context-parallel axis too
+                kwargs["mean_axes"] = tuple(info(node).extra["mean_axes"])
             if target is F.cross_entropy:
                 kwargs["label_smoothing"] = a.get("label_smoothing", 0.0)
                 node.target = vocab_parallel_cross_entropy

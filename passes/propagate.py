@@ -10,7 +10,8 @@ inserts communication the plan did not ask for.
 Reads:  ``node.meta["val"]`` (global fake values), ``node.meta["fxshard"].declared``.
 Writes: ``.value`` (TensorInfo / SizeInfo / tuple), ``.rule``, ``.redistribute`` on
         boundary markers whose layout changes, ``.rewrite`` on nodes a specialized
-        pass must rewrite (``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``).
+        pass must rewrite (``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
+        ``context_parallel``, ``global_mean_loss``, ``localize``'s positions).
 """
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ from fxshard.dtensor_rules import dtensor_layout
 from fxshard.rules import Ctx, rank_dependent_numbers, rule_for, scalar_value
 
 
-def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
+def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = (),
+              cp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
     """Annotate every node with its layout (in place).  ``fsdp_axes``: the axes whose
-    gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention)."""
+    gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention);
+    ``cp_axes``: the axes the plan shards the sequence on (``fxshard.context_parallel``)."""
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         try:
-            _propagate_node(gm, node, axes, fsdp_axes)
+            _propagate_node(gm, node, axes, fsdp_axes, cp_axes)
         except PlanError:
             raise
         except Exception as e:  # a rule's own failure is reported at the node it failed on
@@ -43,7 +46,7 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ..
     return gm
 
 
-def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=()) -> None:
+def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=(), cp_axes=()) -> None:
     meta = info(node)
     if node.op == "placeholder":
         meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
@@ -63,7 +66,7 @@ def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=()) -> No
     elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
         _local_region(node, axes)
     else:
-        _apply_rule(node, axes, fsdp_axes)
+        _apply_rule(node, axes, fsdp_axes, cp_axes)
     _flow_blocks(node)
 
 
@@ -238,9 +241,9 @@ def _inputs_require_grad(node) -> bool:
     return any(grads)
 
 
-def _apply_rule(node: fx.Node, axes, fsdp_axes=()):
+def _apply_rule(node: fx.Node, axes, fsdp_axes=(), cp_axes=()):
     meta = info(node)
-    ctx = Ctx(node, axes, fsdp_axes)
+    ctx = Ctx(node, axes, fsdp_axes, cp_axes)
     tensors = ctx.tensor_args()
     requires_grad = _inputs_require_grad(node)
     if node.op == "call_module":

@@ -11,7 +11,9 @@ Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every 
         :class:`fxshard.meta.Boundary` on ``region_input``/``region_output`` markers,
         :class:`fxshard.meta.LocalRegion` on the ``call_module`` of a local region
         (its layouts hold only the axes the plan names); ``.extra["pattern"]``, the
-        plan entry that applies to the node.
+        plan entry that applies to the node; ``.extra["context_parallel"]``, the
+        :class:`fxshard.plan.ContextParallel` of the innermost context-parallel module
+        around the node, and ``.extra["context_parallel_module"]`` its FQN.
 """
 from __future__ import annotations
 
@@ -94,9 +96,14 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
         if name not in placeholders:
             raise PlanError(f"Plan inputs names {name!r}, but the graph inputs are {placeholders}; fix the name in inputs=")
 
+    context_parallel = {fqn: spec.context_parallel for fqn, (_, spec) in specs.items() if spec.context_parallel is not None}
     for node in gm.graph.nodes:
         meta = info(node)
         meta.region = _innermost_planned(node, specs)
+        fqn = _context_parallel_of(node, context_parallel) if context_parallel else None
+        if fqn is not None:
+            meta.extra["context_parallel"] = context_parallel[fqn]
+            meta.extra["context_parallel_module"] = fqn
         pattern = declared_by.get(node.target) if node.op == "get_attr" else specs.get(meta.region, (None,))[0]
         if pattern is not None:
             meta.extra["pattern"] = pattern
@@ -263,6 +270,14 @@ def _innermost_planned(node: fx.Node, specs) -> str | None:
             if owner in specs:
                 return owner
             owner = owner.rsplit(".", 1)[0] if "." in owner else ""
+    return None
+
+
+def _context_parallel_of(node: fx.Node, context_parallel: dict):
+    """The FQN of the innermost context-parallel module around ``node``."""
+    for qualname, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        if qualname in context_parallel:
+            return qualname
     return None
 
 

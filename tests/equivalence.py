@@ -91,13 +91,14 @@ def coords_of(rank: int, mesh_shape: dict[str, int]) -> dict[str, int]:
 
 
 def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_shape: dict[str, int],
-              blocks: tuple[int, ...] | None = None) -> torch.Tensor:
+              blocks: tuple[int, ...] | None = None, balanced: frozenset = frozenset()) -> torch.Tensor:
     """The local piece of global ``t`` that a rank at ``coord`` holds in ``layout``.
 
     Axes in mesh order (outer first), ``Shard(d)`` takes chunk ``coord[axis]`` of dim
     ``d``; ``Replicate`` keeps the tensor.  ``Partial`` has no slice: ValueError.
     ``blocks``: part sizes of a fused parameter (``colwise(splits=...)``): each part of
-    the sharded dim is chunked on its own.
+    the sharded dim is chunked on its own.  ``balanced``: load-balanced context-parallel
+    axes, where ``Shard(d)`` takes chunks ``i`` and ``2n-1-i`` of ``2n``.
     """
     for axis, size in mesh_shape.items():
         p = (layout or {}).get(axis, Replicate())
@@ -108,6 +109,10 @@ def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_
             for part in parts:
                 assert part.shape[d] % size == 0, f"dim {d} of {tuple(part.shape)} does not divide by {axis}={size}"
                 n = part.shape[d] // size
+                if axis in balanced:
+                    c, i = n // 2, coord[axis]
+                    pieces.append(torch.cat([part.narrow(d, i * c, c), part.narrow(d, (2 * size - 1 - i) * c, c)], d))
+                    continue
                 pieces.append(part.narrow(d, coord[axis] * n, n))
             t = torch.cat(pieces, d) if blocks else pieces[0]
             blocks = tuple(b // size for b in blocks) if blocks else blocks  # the next axis chunks local parts
@@ -157,7 +162,12 @@ def input_layouts(gm: fx.GraphModule, plan) -> list[dict]:
     return [plan.inputs.get(name, {}) for name in names]
 
 
-def sliced_objective(loss_fn: Callable, out_layout: dict, mesh_shape: dict[str, int]) -> Callable:
+def load_balanced(gm: fx.GraphModule) -> frozenset:
+    """The load-balanced context-parallel axes of a transformed graph."""
+    return frozenset(a for a, cp in (gm.meta.get("fxshard_context_parallel") or {}).items() if cp["load_balance"])
+
+
+def sliced_objective(loss_fn: Callable, out_layout: dict, mesh_shape: dict[str, int], balanced: frozenset = frozenset()) -> Callable:
     """The single-device objective of a sharded run: the sum of ``loss_fn`` over the
     distinct output slices the ranks hold (see module docstring)."""
     sharded = [a for a in mesh_shape if isinstance(out_layout.get(a), Shard)]
@@ -168,8 +178,8 @@ def sliced_objective(loss_fn: Callable, out_layout: dict, mesh_shape: dict[str, 
         for block in blocks:
             coord = {a: block.get(a, 0) for a in mesh_shape}
             lay = {a: out_layout[a] for a in sharded}
-            ts = [slice_for(t, _leading(lay, t.dim(), out.dim()), coord, mesh_shape) for t in targets]
-            total = total + loss_fn(slice_for(out, lay, coord, mesh_shape), *ts)
+            ts = [slice_for(t, _leading(lay, t.dim(), out.dim()), coord, mesh_shape, balanced=balanced) for t in targets]
+            total = total + loss_fn(slice_for(out, lay, coord, mesh_shape, balanced=balanced), *ts)
         return total
 
     return objective
@@ -341,16 +351,17 @@ def _run_sharded(sharded: fx.GraphModule, local_inputs: list, local_targets: lis
 def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphModule, in_layouts, out_layout,
                   rank: int, coord: dict[str, int]) -> None:
     mesh = case.mesh_shape
+    lb = load_balanced(sharded)
     state = sharded.meta["fxshard_state"]
     where = f"rank {rank} {coord}"
     for k in range(case.steps + 1):
         step = f"step {k}" if k < case.steps else f"after {case.steps} SGD steps"
-        _close(rank_value(rec.outputs[k], rank), slice_for(ref.outputs[k], out_layout, coord, mesh), case, f"{where} {step}: output")
+        _close(rank_value(rec.outputs[k], rank), slice_for(ref.outputs[k], out_layout, coord, mesh, balanced=lb), case, f"{where} {step}: output")
         if k == case.steps:
             break
         for i, (g, want) in enumerate(zip(rec.input_grads[k], ref.input_grads[k])):
             if want is not None:
-                _close(rank_value(g, rank), slice_for(want, in_layouts[i], coord, mesh), case, f"{where} {step}: grad of input {i}")
+                _close(rank_value(g, rank), slice_for(want, in_layouts[i], coord, mesh, balanced=lb), case, f"{where} {step}: grad of input {i}")
         lost = {n for n in set(ref.param_grads[k]) - set(rec.param_grads[k]) if not _on_other_rank(sharded, n)}
         extra = set(rec.param_grads[k]) - set(ref.param_grads[k])
         assert not lost and not extra, f"{case.name}: parameter FQNs differ from the model's: lost {sorted(lost)}, new {sorted(extra)}"
@@ -382,7 +393,7 @@ def _on_other_rank(sharded: fx.GraphModule, fqn: str) -> bool:
     return False
 
 
-def _local_inputs(inputs, layouts, coord_of_rank: Callable[[int], dict], mesh_shape):
+def _local_inputs(inputs, layouts, coord_of_rank: Callable[[int], dict], mesh_shape, balanced=frozenset()):
     """Per-rank inputs (rank_map: a LocalTensor under simulated ranks, this rank's
     tensor in a real one); float inputs require grad."""
     out = []
@@ -390,13 +401,14 @@ def _local_inputs(inputs, layouts, coord_of_rank: Callable[[int], dict], mesh_sh
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue
-        t = rank_map(lambda r, x=x, layout=layout: slice_for(x, layout, coord_of_rank(r), mesh_shape).clone())
+        t = rank_map(lambda r, x=x, layout=layout: slice_for(x, layout, coord_of_rank(r), mesh_shape, balanced=balanced).clone())
         out.append(t.requires_grad_() if t.is_floating_point() else t)
     return out
 
 
-def _local_targets(targets, out_layout, out_ndim, coord_of_rank, mesh_shape):
-    return [rank_map(lambda r, t=t: slice_for(t, _leading(out_layout, t.dim(), out_ndim), coord_of_rank(r), mesh_shape).clone())
+def _local_targets(targets, out_layout, out_ndim, coord_of_rank, mesh_shape, balanced=frozenset()):
+    return [rank_map(lambda r, t=t: slice_for(t, _leading(out_layout, t.dim(), out_ndim), coord_of_rank(r), mesh_shape,
+                                              balanced=balanced).clone())
             for t in targets]
 
 
@@ -415,17 +427,18 @@ def _equivalence(case: Case, mesh, model, loss_fn, targets, ranks: list[int], co
     sharded = fxshard.transform(model, plan, example_inputs=example, example_kwargs=example_kw or None)
     out_layout = output_layout(sharded, case.select)
     in_layouts = input_layouts(sharded, plan)
+    lb = load_balanced(sharded)
     with plain():
         with torch.no_grad():
             out_ndim = case.pick(model(*case.inputs, **case.kwargs)).dim()
         # a replicated loss reads the whole output (``o.loss``); any other the selected tensor
-        objective = loss_fn if case.replicated_loss else _on_selected(case, sliced_objective(loss_fn, out_layout, case.mesh_shape))
+        objective = loss_fn if case.replicated_loss else _on_selected(case, sliced_objective(loss_fn, out_layout, case.mesh_shape, lb))
         ref = reference(model, case.inputs, objective, case.steps, case.lr, targets, case.kwargs, case.select)
     _check_outputs_move(case, ref)
-    local_in = _local_inputs(case.inputs, in_layouts, coord_of_rank, case.mesh_shape)
+    local_in = _local_inputs(case.inputs, in_layouts, coord_of_rank, case.mesh_shape, lb)
     kw_layouts = [plan.inputs.get(name, {}) for name in case.kwargs]
-    local_kw = dict(zip(case.kwargs, _local_inputs(list(case.kwargs.values()), kw_layouts, coord_of_rank, case.mesh_shape)))
-    local_tg = _local_targets(targets, out_layout, out_ndim, coord_of_rank, case.mesh_shape)
+    local_kw = dict(zip(case.kwargs, _local_inputs(list(case.kwargs.values()), kw_layouts, coord_of_rank, case.mesh_shape, lb)))
+    local_tg = _local_targets(targets, out_layout, out_ndim, coord_of_rank, case.mesh_shape, lb)
     rank_loss = loss_fn if case.replicated_loss else _on_selected(case, loss_fn)
     rec = _run_sharded(sharded, local_in, local_tg, rank_loss, case.steps, case.lr, local_kw, case.select)
     for r in ranks:

@@ -211,3 +211,11 @@ def test_hf_conformance(results):
         assert rows[family]["exact"] == "yes", rows[family]
     for family in ("mixtral", "qwen3_moe", "doge", "gemma3n_text"):
         assert str(rows[family]["transformed"]).startswith("PlanError"), rows[family]
+
+
+def test_context_parallel_benchmark(tmp_path):
+    out = tmp_path / "cp.json"
+    text = _run([str(BENCH / "context_parallel.py"), "--cp", "2", "--no-memory", "--out", str(out)])
+    assert "allgather" in text and "ring" in text
+    comm = json.loads(out.read_text())["results"]["comm"]
+    assert all(r["fwd_bytes"] == r["fwd_analytical"] and r["bwd_bytes"] == r["bwd_analytical"] for r in comm)

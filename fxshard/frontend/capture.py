@@ -41,6 +41,7 @@ from torch.export import Dim
 from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
+from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag
 from fxshard.module_state import add_missing_state, named_state
 from fxshard.passes.cleanup import mutates
 
@@ -76,7 +77,8 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
         # given only if the model cannot run on the grown ones.
         grown = (_grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()})
         attempts = [(*grown, dynamic_shapes), (args, kwargs, dynamic_shapes)]
-    with _boundary_hooks(model, plan), _training_config(model), torch.fx.experimental._config.patch(use_duck_shape=False):
+    with _boundary_hooks(model, plan), _training_config(model), causal_attention_as_sdpa_flag(model, plan, kwargs), \
+            torch.fx.experimental._config.patch(use_duck_shape=False):
         for i, (a, kw, dyn) in enumerate(attempts):
             try:
                 ep = torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn)

@@ -1,0 +1,377 @@
+"""Context parallelism at run time: attention over a sequence sharded across ranks.
+
+The ``context_parallel`` pass rewrites the attention of a context-parallel module
+(:func:`fxshard.context_parallel`) into calls of this module; the rest of the model
+runs on each rank's part of the sequence as it is (everything but attention is
+token-wise).  Which global positions a rank holds is fixed per mesh axis:
+
+* contiguous (``load_balance=False``): rank ``i`` of ``n`` holds ``i*T/n : (i+1)*T/n``;
+* load-balanced (``load_balance=True``): the sequence is cut into ``2n`` chunks and
+  rank ``i`` holds chunks ``i`` and ``2n-1-i``, so that every rank does the same causal
+  work (rank 0 holds the first and the last chunk).
+
+Everything here computes positions from the rank's index on the axis and the local
+length at run time: the generated code is the same on every rank.
+
+==========================  ===================================================
+op                          what it does
+==========================  ===================================================
+``local_positions``         global positions of this rank's tokens
+``context_parallel_mask``   the mask of local queries against the gathered keys
+``ring_attention``          attention with K/V blocks passed around the ring
+``split_sequence``          this rank's part of a global tensor (its inputs)
+``gather_sequence``         the global tensor from every rank's part
+==========================  ===================================================
+
+Example (the all-gather method, as the pass writes it)::
+
+    k_all = fxshard.all_gather(k, "cp", 2, grad="partial")    # backward: reduce-scatter
+    v_all = fxshard.all_gather(v, "cp", 2, grad="partial")
+    mask = fxshard.context_parallel_mask(q, "cp", load_balance=True)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.fx
+from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+
+from . import runtime
+from .runtime import _axis, _c10d, _comm_axis, _local_index, bound_mesh
+
+__all__ = ["local_positions", "context_parallel_mask", "ring_attention", "split_sequence", "gather_sequence"]
+
+
+# --------------------------------------------------------------------------- positions
+
+
+def _positions_of(index: int, n_local: int, n: int, load_balance: bool, device=None) -> torch.Tensor:
+    """Global positions held by the rank at ``index`` of ``n`` (``n_local`` tokens)."""
+    if not load_balance:
+        return torch.arange(index * n_local, (index + 1) * n_local, device=device)
+    if n_local % 2:
+        raise ValueError(f"fxshard: a load-balanced context-parallel rank holds two equal chunks, but its part of the "
+                         f"sequence has {n_local} tokens; use a sequence length divisible by {2 * n} (2 x the axis size)")
+    c = n_local // 2
+    return torch.cat([torch.arange(index * c, (index + 1) * c, device=device),
+                      torch.arange((2 * n - 1 - index) * c, (2 * n - index) * c, device=device)])
+
+
+def _all_positions(n_local: int, n: int, load_balance: bool, device=None) -> torch.Tensor:
+    """Global positions of the tokens of a tensor gathered in rank order."""
+    if not load_balance:
+        return torch.arange(n_local * n, device=device)
+    return torch.cat([_positions_of(i, n_local, n, True, device) for i in range(n)])
+
+
+def _per_rank(axis: str, fn):
+    """``fn(index_on_axis)``: a tensor, or under simulated ranks a LocalTensor of each
+    rank's ``fn(its index)`` (SymInt arithmetic with tensors is not simulated)."""
+    ax = _axis(axis)
+    lm = enabled_local_tensor_mode()
+    if lm is None:
+        return fn(int(_local_index(ax)))
+    ints = bound_mesh().get_local_rank(axis).node._local_ints
+    return lm.rank_map(lambda r: fn(ints[r]))
+
+
+def local_positions(axis: str, n_local: int, *, load_balance: bool = False, device=None) -> torch.Tensor:
+    """Global positions (int64, ``[n_local]``) of this rank's tokens on ``axis``.
+
+    Example: at ``cp=2`` with ``load_balance=True`` and 4 local tokens of 8, rank 0
+    holds ``[0, 1, 6, 7]`` and rank 1 ``[2, 3, 4, 5]``.
+    """
+    n = _axis(axis).size
+    return _per_rank(axis, lambda i: _positions_of(i, n_local, n, load_balance, device))
+
+
+# --------------------------------------------------------------------------- all-gather method
+
+
+def context_parallel_mask(q: torch.Tensor, axis: str, *, load_balance: bool = False, is_causal: bool = True,
+                          attn_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The attention mask of this rank's queries (``q [..., T_local, D]``) against the
+    keys gathered over ``axis`` in rank order (``[..., T_local * n, D]``).
+
+    ``is_causal``: a query attends to keys at global positions up to its own.
+    ``attn_mask``: the model's own mask for these queries, its key dim in global
+    order (``[..., T_local or 1, T]``, boolean or additive); its columns are put in
+    the gathered order.  Returns a boolean mask, an additive one if ``attn_mask`` is,
+    or None when there is nothing to mask.
+    """
+    n = _axis(axis).size
+    t = q.size(-2)
+    kv = _all_positions(t, n, load_balance, q.device)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.index_select(-1, kv) if load_balance and n > 1 else attn_mask
+    if not is_causal:
+        return mask
+    q_pos = _per_rank(axis, lambda i: _positions_of(i, t, n, load_balance, q.device))
+    causal = q_pos[:, None] >= kv[None, :]
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf"))
+
+
+# --------------------------------------------------------------------------- ring method
+
+
+def _ring_shift(x: torch.Tensor, ax) -> torch.Tensor:
+    """Send ``x`` to the next rank on the axis and receive the previous rank's (one
+    all-to-all whose only non-empty piece goes to the neighbour)."""
+    n = ax.size
+    flat = x.contiguous().view(-1)
+    numel = flat.numel()
+
+    def splits(index: int):
+        to_next = [numel if j == (index + 1) % n else 0 for j in range(n)]
+        from_prev = [numel if j == (index - 1) % n else 0 for j in range(n)]
+        return to_next, from_prev
+
+    if enabled_local_tensor_mode() is None:
+        send, recv = splits(int(_local_index(ax)))
+    else:  # per-rank split sizes as SymInts of the simulated ranks
+        ints = bound_mesh().get_local_rank(ax.name).node._local_ints
+        per = {r: splits(i) for r, i in ints.items()}
+        send = [torch.SymInt(LocalIntNode({r: s[0][j] for r, s in per.items()})) for j in range(n)]
+        recv = [torch.SymInt(LocalIntNode({r: s[1][j] for r, s in per.items()})) for j in range(n)]
+    out = _c10d.wait_tensor(_c10d.all_to_all_single(flat, recv, send, ax.group_name))
+    return out.view(x.shape)
+
+
+def _block_bias(q_pos, k_pos, is_causal: bool, mask_cols: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
+    """Additive bias (0 / -inf, or the model's float mask) of one block of scores."""
+    bias = None
+    if mask_cols is not None:
+        bias = torch.zeros(mask_cols.shape, dtype=dtype, device=mask_cols.device).masked_fill(~mask_cols, float("-inf")) \
+            if mask_cols.dtype == torch.bool else mask_cols.to(dtype)
+    if is_causal:
+        causal = torch.zeros((q_pos.numel(), k_pos.numel()), dtype=dtype, device=q_pos.device).masked_fill(
+            q_pos[:, None] < k_pos[None, :], float("-inf"))
+        bias = causal if bias is None else bias + causal
+    return bias
+
+
+class _RingAttention(torch.autograd.Function):
+    """Blockwise attention over K/V blocks visiting every rank of the axis.
+
+    Forward: at step ``s`` this rank holds the K/V block of rank ``index - s``; its
+    scores are merged into the running output with an online softmax (running max and
+    sum of exponentials), then the block moves on to the next rank.  Backward: the
+    same ring with the block's dK/dV accumulators travelling with it (FlashAttention's
+    backward from the saved log-sum-exp: nothing of size ``T x T`` is kept), and one
+    last hop brings each accumulator home.  Blocks wholly above the causal diagonal
+    are skipped where the rank is known (real ranks, contiguous layout).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, ax, attn_mask, is_causal, scale, load_balance, rep):
+        n, t = ax.size, q.size(-2)
+        index = None if enabled_local_tensor_mode() is not None else int(_local_index(ax))
+        qf, kf, vf = q.float(), k.float(), v.float()
+        q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, load_balance, q.device))
+        m = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)
+        l = torch.zeros_like(m)
+        o = torch.zeros(q.shape[:-1] + (v.size(-1),), device=q.device)
+        for step in range(n):
+            k_pos = _per_rank(ax.name, lambda i: _positions_of((i - step) % n, t, n, load_balance, q.device))
+            if not _skipped(index, step, n, is_causal, load_balance, attn_mask):
+                for rows in _row_chunks(t):  # one chunk of query rows at a time bounds the scores held
+                    s = _scores(qf[..., rows, :], kf, scale, rep)
+                    bias = _block_bias(q_pos[rows], k_pos, is_causal, _cols(_mask_rows(attn_mask, rows), k_pos), s.dtype)
+                    if bias is not None:
+                        s.add_(bias)
+                    m_old = m[..., rows, :]
+                    m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+                    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing visible yet
+                    p = s.sub_(safe).exp_()
+                    alpha = torch.exp(m_old - safe)
+                    l[..., rows, :] = l[..., rows, :] * alpha + p.sum(-1, keepdim=True)
+                    o[..., rows, :] = o[..., rows, :] * alpha + p @ _heads(vf, rep)
+                    m[..., rows, :] = m_new
+            if step + 1 < n:
+                kf, vf = _ring_shift(kf, ax), _ring_shift(vf, ax)
+        out = o / l
+        lse = torch.where(torch.isinf(m), m, m + torch.log(l))
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask if attn_mask is not None else torch.empty(0))
+        ctx.ax, ctx.is_causal, ctx.scale, ctx.load_balance, ctx.rep = ax, is_causal, scale, load_balance, rep
+        ctx.has_mask, ctx.index = attn_mask is not None, index
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        attn_mask = attn_mask if ctx.has_mask else None
+        ax, n, t, rep = ctx.ax, ctx.ax.size, q.size(-2), ctx.rep
+        qf, kf, vf, do = q.float(), k.float(), v.float(), dout.float()
+        delta = (do * out).sum(-1, keepdim=True)
+        q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, ctx.load_balance, q.device))
+        dq = torch.zeros_like(qf)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[4]
+        dmask = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device) if mask_grad else None
+        finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        for step in range(n):
+            k_pos = _per_rank(ax.name, lambda i: _positions_of((i - step) % n, t, n, ctx.load_balance, q.device))
+            if not _skipped(ctx.index, step, n, ctx.is_causal, ctx.load_balance, attn_mask):
+                for rows in _row_chunks(t):
+                    qc, doc = qf[..., rows, :], do[..., rows, :]
+                    s = _scores(qc, kf, ctx.scale, rep)
+                    mask_rows = _mask_rows(attn_mask, rows)
+                    bias = _block_bias(q_pos[rows], k_pos, ctx.is_causal, _cols(mask_rows, k_pos), s.dtype)
+                    if bias is not None:
+                        s.add_(bias)
+                    p = s.sub_(finite_lse[..., rows, :]).exp_()  # the softmax probabilities of this block
+                    dv = dv + _unheads(p.transpose(-2, -1) @ doc, rep)
+                    ds = (doc @ _heads(vf, rep).transpose(-2, -1)).sub_(delta[..., rows, :]).mul_(p)
+                    dq[..., rows, :] += (ds @ _heads(kf, rep)) * ctx.scale
+                    dk = dk + _unheads(ds.transpose(-2, -1) @ qc, rep) * ctx.scale
+                    if dmask is not None:  # an additive mask enters the scores as they are
+                        part = dmask if dmask.size(-2) == 1 else dmask[..., rows, :]
+                        part = part.index_add(-1, k_pos, _sum_to(ds, part.shape[:-1] + (ds.size(-1),)))
+                        if dmask.size(-2) == 1:
+                            dmask = part
+                        else:
+                            dmask[..., rows, :] = part
+            # the block and its accumulators move on; after the last step one hop brings them home
+            if step + 1 < n:
+                kf, vf = _ring_shift(kf, ax), _ring_shift(vf, ax)
+            dk, dv = _ring_shift(dk, ax), _ring_shift(dv, ax)
+        dmask = dmask.to(attn_mask.dtype) if dmask is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dmask, None, None, None, None
+
+
+_ROWS = 512  # query rows per chunk of a ring block: [B, H, 512, T/n] scores at a time
+
+
+def _row_chunks(t: int):
+    return [slice(r, min(r + _ROWS, t)) for r in range(0, t, _ROWS)]
+
+
+def _mask_rows(attn_mask, rows):
+    if attn_mask is None or attn_mask.size(-2) == 1:
+        return attn_mask
+    return attn_mask[..., rows, :]
+
+
+def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
+    """``g`` summed over the dims a tensor of ``shape`` was broadcast along."""
+    lead = g.dim() - len(shape)
+    g = g.sum(tuple(range(lead))) if lead else g
+    dims = tuple(d for d, s in enumerate(shape) if s == 1 and g.size(d) != 1)
+    return g.sum(dims, keepdim=True) if dims else g
+
+
+def _scores(q, k, scale, rep):
+    return (q @ _heads(k, rep).transpose(-2, -1)) * scale
+
+
+def _heads(x, rep: int):
+    """K/V heads repeated for grouped-query attention (``enable_gqa``)."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
+
+
+def _unheads(g, rep: int):
+    """Gradient of :func:`_heads`: the repeated heads' gradients summed."""
+    if rep == 1:
+        return g
+    return g.unflatten(-3, (g.size(-3) // rep, rep)).sum(-3)
+
+
+def _cols(attn_mask, k_pos):
+    return None if attn_mask is None else attn_mask.index_select(-1, k_pos)
+
+
+def _skipped(index, step, n, is_causal, load_balance, attn_mask) -> bool:
+    """Is the block of step ``step`` wholly above the causal diagonal?  Only with the
+    contiguous layout (under load balancing every block has visible keys) and a known
+    rank (simulated ranks run in lock step: they compute it, masked)."""
+    if index is None or not is_causal or load_balance:
+        return False
+    return (index - step) % n > index
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, *, attn_mask: Optional[torch.Tensor] = None,
+                   is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                   load_balance: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``q, k, v`` sharded on the sequence dim
+    (``-2``) over ``axis``, with K/V blocks passed around the ring.
+
+    ``attn_mask``: the model's mask for this rank's queries, key dim in global order
+    (``[..., T_local or 1, T]``).  Communication: ``n-1`` hops of K and V forward,
+    ``n-1`` hops of K, V, dK, dV and one of dK, dV backward.  Memory: one block of
+    scores at a time; the output and its log-sum-exp are kept for backward.
+
+    Example: ``out = fxshard.ring_attention(q, k, v, "cp", is_causal=True)``
+    """
+    ax = _comm_axis(axis, "ring_attention")
+    rep = q.size(-3) // k.size(-3) if enable_gqa else 1
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if ax.size == 1:
+        import torch.nn.functional as F
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return _RingAttention.apply(q, k, v, ax, attn_mask, is_causal, scale, load_balance, rep)
+
+
+# --------------------------------------------------------------------------- inputs and outputs
+
+
+def _load_balance_of(axis: str, load_balance: Optional[bool], sharded) -> bool:
+    if load_balance is not None:
+        return load_balance
+    if sharded is not None:
+        cp = (sharded.meta.get("fxshard_context_parallel") or {}).get(axis)
+        if cp is not None:
+            return cp["load_balance"]
+    return True
+
+
+def split_sequence(x: torch.Tensor, axis: str = "cp", dim: int = 1, *, load_balance: Optional[bool] = None,
+                   sharded=None) -> torch.Tensor:
+    """This rank's part of the global tensor ``x`` along ``dim`` (the sequence) on
+    ``axis``: what a context-parallel model takes as input on this rank.
+
+    ``load_balance``: as in the plan's :func:`fxshard.context_parallel` (or read from
+    ``sharded``, the transformed module; default True).  Needs a bound mesh
+    (``fxshard.transform`` binds one).
+
+    Example: ``logits = sharded(fxshard.split_sequence(ids, "cp", sharded=sharded))``
+    """
+    lb = _load_balance_of(axis, load_balance, sharded)
+    n = _axis(axis).size
+    d = dim % x.dim()
+    if x.size(d) % (2 * n if lb else n):
+        raise ValueError(f"fxshard.split_sequence: dim {d} of size {x.size(d)} does not divide into "
+                         f"{2 * n if lb else n} chunks (axis {axis!r} of size {n}{', load-balanced' if lb else ''})")
+    t = x.size(d) // n
+    return _per_rank(axis, lambda i: x.index_select(d, _positions_of(i, t, n, lb, x.device)))
+
+
+def gather_sequence(x: torch.Tensor, axis: str = "cp", dim: int = 1, *, load_balance: Optional[bool] = None,
+                    sharded=None) -> torch.Tensor:
+    """The global tensor from every rank's part along ``dim`` (the inverse of
+    :func:`split_sequence`; an all-gather, differentiable).
+
+    Example: ``full_logits = fxshard.gather_sequence(sharded(local_ids), "cp", sharded=sharded)``
+    """
+    lb = _load_balance_of(axis, load_balance, sharded)
+    n = _axis(axis).size
+    d = dim % x.dim()
+    full = runtime.all_gather(x, axis, d)
+    if not lb or n == 1:
+        return full
+    order = _all_positions(x.size(d), n, True, x.device)
+    return full.index_select(d, torch.argsort(order))
+
+
+for _fn in (local_positions, context_parallel_mask, ring_attention, split_sequence, gather_sequence):
+    _fn.__module__ = "fxshard"
+    torch.fx.wrap(_fn.__name__)
+del _fn

@@ -1,0 +1,58 @@
+"""HF transformers' attention masks under context parallelism.
+
+transformers 5.x builds every causal mask from positions: under ``torch.export`` it
+never takes its ``is_causal`` shortcut, and it looks for packed sequences with a
+``cumsum`` over the position ids.  Both need the whole sequence on every rank, which
+a context-parallel sequence is not (fxshard refuses the graph, naming the
+``cumsum``).  When the caller passes neither ``attention_mask`` nor ``position_ids``,
+the positions are the model's own ``arange`` (nothing packed, nothing padded), and
+the plain causal mask is exactly SDPA's ``is_causal=True``.  While such a model is
+captured for a plan with context-parallel modules, :func:`causal_attention_as_sdpa_flag`
+lets transformers see that: no packed-sequence search, and the SDPA mask of a plain
+causal layer is None.  Sliding-window or chunked layers keep their masks (and are
+refused under context parallelism: their masks are built over the local sequence).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from fxshard.errors import PlanError
+
+
+def _is_hf(model) -> bool:
+    return type(model).__module__.startswith("transformers.") and hasattr(getattr(model, "config", None), "_attn_implementation")
+
+
+@contextlib.contextmanager
+def causal_attention_as_sdpa_flag(model, plan, kwargs):
+    """Capture-time patch of transformers' mask builders (see the module docstring);
+    a no-op unless ``plan`` has context-parallel modules and ``model`` is an HF model."""
+    if plan is None or not plan.context_parallel_axes() or not _is_hf(model):
+        yield
+        return
+    given = [k for k in ("attention_mask", "position_ids") if kwargs.get(k) is not None]
+    if given:
+        raise PlanError(f"context parallelism on {type(model).__name__}: the example inputs pass {given}, from which "
+                        f"transformers builds its mask over the local part of the sequence only\n  fix: pass only "
+                        f"input_ids (and labels); padding and packed sequences under context parallelism are not supported yet")
+    impl = model.config._attn_implementation
+    if impl != "sdpa":
+        raise PlanError(f"context parallelism on {type(model).__name__}: its attention is {impl!r}, which fxshard cannot "
+                        f"rewrite\n  fix: build the model with attn_implementation='sdpa'")
+    import transformers.masking_utils as mu
+
+    original_sdpa_mask = mu.AttentionMaskInterface._global_mapping["sdpa"]
+    original_packed = mu.find_packed_sequence_indices
+
+    def sdpa_mask(*args, mask_function=None, attention_mask=None, **kw):
+        if mask_function is mu.causal_mask_function and attention_mask is None:
+            return None  # sdpa_attention_forward then calls SDPA with is_causal=True
+        return original_sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, **kw)
+
+    mu.AttentionMaskInterface._global_mapping["sdpa"] = sdpa_mask
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.AttentionMaskInterface._global_mapping["sdpa"] = original_sdpa_mask
+        mu.find_packed_sequence_indices = original_packed

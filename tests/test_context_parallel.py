@@ -1,0 +1,289 @@
+"""Context parallelism: attention over a sequence sharded on a ``cp`` axis.
+
+Equivalence (logits, every parameter gradient, 2 SGD steps) against one device for
+fxshard's Llama and GPT-2 and HF Llama, both methods, with and without load
+balancing; the mean loss over all tokens; models with their own masks; ``cp x tp``
+and ``dp x cp``; and the plans that must be refused.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import fxshard
+from fxshard import MeshSpec, Plan, PlanError
+from fxshard.meta import KEY
+from fxshard.testing.models import WithLoss, gpt2, llama, llama_plan, tokens
+from equivalence import Case, check_real_cases, check_simulated
+from harness import simulated
+
+V = 128
+IDS = tokens(2, 16, V)
+
+
+def cp_plan(mesh, method="allgather", lb=True, name="tokens", pattern="layers.*.attention", extra=None, more_inputs=None):
+    specs = {pattern: fxshard.context_parallel("cp", method=method, load_balance=lb), **(extra or {})}
+    return Plan(mesh, specs, inputs={name: {"cp": Shard(1)}, **(more_inputs or {})})
+
+
+def gpt2_cp_plan(mesh, method="allgather", lb=True):
+    return cp_plan(mesh, method, lb, name="ids", pattern="h.*.attn")
+
+
+def cp_tp_plan(mesh, method="allgather", lb=True):
+    return cp_plan(mesh, method, lb, extra=llama_plan("tp"))
+
+
+def hf_llama():
+    from fxshard.testing.hf_tiny import tiny_model
+
+    return tiny_model("llama")
+
+
+def hf_cp_plan(mesh, method="allgather", lb=True):
+    return cp_plan(mesh, method, lb, name="input_ids", pattern="model.layers.*.self_attn")
+
+
+def logits(o):
+    return o.logits
+
+
+# ----------------------------------------------------------------------------- equivalence, simulated
+
+
+@pytest.mark.parametrize("method,lb,cp", [("allgather", True, 2), ("ring", True, 4), ("allgather", False, 4), ("ring", False, 2)])
+def test_llama(method, lb, cp):
+    sharded = check_simulated(llama, functools.partial(cp_plan, method=method, lb=lb), (IDS,), {"cp": cp})
+    assert sharded.meta["fxshard_context_parallel"] == {"cp": {"method": method, "load_balance": lb}}
+
+
+@pytest.mark.parametrize("method,lb,cp", [("ring", True, 2), ("allgather", False, 4)])
+def test_gpt2_learned_positions(method, lb, cp):
+    sharded = check_simulated(gpt2, functools.partial(gpt2_cp_plan, method=method, lb=lb), (IDS,), {"cp": cp})
+    assert ("fxshard_local_positions" if lb else "local_offset") in sharded.code  # wpe reads this rank's positions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,lb,cp", [("allgather", True, 4), ("ring", False, 4), ("ring", True, 4), ("allgather", False, 2)])
+def test_gpt2_sweep(method, lb, cp):
+    check_simulated(gpt2, functools.partial(gpt2_cp_plan, method=method, lb=lb), (IDS,), {"cp": cp})
+
+
+@pytest.mark.parametrize("method,lb,cp", [("allgather", True, 2), ("ring", False, 4)])
+def test_hf_llama(method, lb, cp):
+    sharded = check_simulated(hf_llama, functools.partial(hf_cp_plan, method=method, lb=lb), (), {"cp": cp},
+                              kwargs={"input_ids": IDS}, select=logits)
+    assert "cumsum" not in sharded.code  # HF's packed-sequence search is not captured
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,lb,cp", [("ring", True, 2), ("allgather", False, 4), ("ring", True, 4), ("allgather", True, 4)])
+def test_hf_llama_sweep(method, lb, cp):
+    check_simulated(hf_llama, functools.partial(hf_cp_plan, method=method, lb=lb), (), {"cp": cp},
+                    kwargs={"input_ids": IDS}, select=logits)
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_cp_x_tp(method):
+    sharded = check_simulated(llama, functools.partial(cp_tp_plan, method=method), (IDS,), {"cp": 2, "tp": 2})
+    attn = [n for n in sharded.graph.nodes if "scaled_dot_product_attention" in n.name]
+    assert all(n.meta[KEY].value.layout == {"cp": Shard(2), "tp": Shard(1)} for n in attn)
+
+
+def test_dp_x_cp():
+    def plan(mesh):
+        return Plan(mesh, {"layers.*.attention": fxshard.context_parallel("cp")}, inputs={"tokens": {"dp": Shard(0), "cp": Shard(1)}})
+
+    check_simulated(llama, plan, (IDS,), {"dp": 2, "cp": 2})
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def llama_with_loss():
+    return WithLoss(llama())
+
+
+def identity(out):
+    return out
+
+
+def _targets(seed=3):
+    t = tokens(1, 16, V, seed=seed)
+    t[0, 1:6] = -100  # ignored targets, all on rank 0's part: per-rank means would differ
+    return t
+
+
+@pytest.mark.parametrize("method,lb", [("allgather", True), ("ring", False)])
+def test_mean_loss_over_all_tokens(method, lb):
+    def plan(mesh):
+        return cp_plan(mesh, method, lb, pattern="model.layers.*.attention", more_inputs={"targets": {"cp": Shard(1)}})
+
+    sharded = check_simulated(llama_with_loss, plan, (tokens(1, 16, V), _targets()), {"cp": 2}, loss_fn=identity,
+                              replicated_loss=True)
+    assert "fxshard_global_mean_cross_entropy" in sharded.code
+    summary = fxshard.comm_summary(sharded)
+    assert summary.count("forward", "all_reduce", axis="cp") == 2  # the sum of losses and the count
+
+
+def test_mean_loss_with_loss_parallel():
+    def plan(mesh):
+        specs = {"model." + k: v for k, v in llama_plan("tp", loss_parallel=True).items()}
+        return cp_plan(mesh, "allgather", True, pattern="model.layers.*.attention", extra=specs,
+                       more_inputs={"targets": {"cp": Shard(1)}})
+
+    sharded = check_simulated(llama_with_loss, plan, (tokens(1, 16, V), _targets()), {"cp": 2, "tp": 2}, loss_fn=identity,
+                              replicated_loss=True)
+    assert "mean_axes = ('cp',)" in sharded.code
+
+
+# ----------------------------------------------------------------------------- models with their own masks
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention taking an explicit mask (boolean or additive), GQA via enable_gqa."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MaskedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = MaskedAttention()
+
+    def forward(self, x, mask):
+        return x + self.attn(x, mask)
+
+
+def masked_model():
+    torch.manual_seed(0)
+    return MaskedModel()
+
+
+def _mask(kind):
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(2, 1, 16, 16, generator=g) > 0.3
+    keep |= torch.eye(16, dtype=torch.bool)  # no row is fully masked
+    return keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) + 0.1 * torch.randn(keep.shape, generator=g)
+
+
+@pytest.mark.parametrize("method,lb,kind,mask_layout", [
+    ("allgather", True, "bool", Replicate()), ("ring", True, "float", Shard(2)),
+    ("allgather", False, "float", Shard(2)), ("ring", False, "bool", Replicate())])
+def test_explicit_mask(method, lb, kind, mask_layout):
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+
+    def plan(mesh):
+        return Plan(mesh, {"attn": fxshard.context_parallel("cp", method=method, load_balance=lb)},
+                    inputs={"x": {"cp": Shard(1)}, "mask": {"cp": mask_layout}})
+
+    check_simulated(masked_model, plan, (x, _mask(kind)), {"cp": 2}, lr=0.2)
+
+
+# ----------------------------------------------------------------------------- helpers and the summary
+
+
+def test_split_and_gather_sequence():
+    x = torch.arange(2 * 8).view(2, 8)
+    with simulated({"cp": 2}) as mesh:
+        fxshard.bind_mesh(mesh)
+        part = fxshard.split_sequence(x, "cp", load_balance=True)
+        from harness import rank_value
+
+        assert rank_value(part, 0).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+        assert rank_value(part, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+        back = fxshard.gather_sequence(part.float(), "cp", load_balance=True)
+        assert all(torch.equal(rank_value(back, r), x.float()) for r in (0, 1))
+        fxshard.bind_mesh(None)
+
+
+def test_comm_summary_and_dump():
+    for method in ("allgather", "ring"):
+        sharded = fxshard.transform(llama(), cp_plan(MeshSpec(("cp",), (4,)), method), (IDS,))
+        s = fxshard.comm_summary(sharded)
+        if method == "allgather":
+            # K and V gathered per layer, their gradients reduce-scattered
+            assert s.count("forward", "all_gather", axis="cp") == 4 and s.count("backward", "reduce_scatter", axis="cp") == 4
+            assert "fxshard_context_parallel_mask" in sharded.code
+        else:
+            assert s.count("forward", "ring_shift", axis="cp") == 2 * 2 * 3  # K and V, 3 hops, 2 layers
+            assert s.count("backward", "ring_shift", axis="cp") == 2 * (4 * 3 + 2)
+        assert ("fxshard.ring_attention" if method == "ring" else "fxshard.context_parallel_mask") in fxshard.dump(sharded)
+        attn = next(n.name for n in sharded.graph.nodes if "scaled_dot_product_attention" in n.name)
+        why = fxshard.explain(sharded, attn, axis="cp")
+        assert "cp=S(2)" in why and "tokens" in why  # back to the plan's sequence-sharded input
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_refusals():
+    mesh = MeshSpec(("cp",), (2,))
+    with pytest.raises(PlanError, match=r"divisible by 4.*load_balance=False"):
+        fxshard.transform(llama(), cp_plan(mesh), (tokens(2, 6, V),))
+    with pytest.raises(PlanError, match=r"declare the module context-parallel on 'cp': \{'h.0.attn'"):
+        fxshard.transform(gpt2(), Plan(mesh, {}, inputs={"ids": {"cp": Shard(1)}}), (IDS,))
+    with pytest.raises(PlanError, match=r"no scaled_dot_product_attention inside it receives"):
+        fxshard.transform(llama(), Plan(mesh, {"layers.*.attention": fxshard.context_parallel()}), (IDS,))
+    with pytest.raises(PlanError, match=r"not an axis of the mesh"):
+        Plan(mesh, {"layers.*.attention": fxshard.context_parallel("sp")})
+    with pytest.raises(PlanError, match=r"same load_balance"):
+        Plan(mesh, {"layers.0.attention": fxshard.context_parallel(), "layers.1.attention": fxshard.context_parallel(load_balance=False)})
+    with pytest.raises(PlanError, match=r"method"):
+        fxshard.context_parallel(method="ulysses")
+    # gathering a load-balanced sequence would reorder it
+    gather = {"output": fxshard.ModuleSpec(out_src={"cp": Shard(1)}, out_dst={"cp": Replicate()})}
+    with pytest.raises(PlanError, match=r"load-balanced"):
+        fxshard.transform(llama(), cp_plan(mesh, extra=gather), (IDS,))
+    # HF: inputs transformers would build a local mask from
+    with pytest.raises(PlanError, match=r"attention_mask"):
+        fxshard.transform(hf_llama(), hf_cp_plan(mesh), example_kwargs={"input_ids": IDS, "attention_mask": torch.ones_like(IDS)})
+
+
+def test_contiguous_gather_of_the_output_is_allowed():
+    gather = {"output": fxshard.ModuleSpec(out_src={"cp": Shard(1)}, out_dst={"cp": Replicate()})}
+    check_simulated(llama, functools.partial(cp_plan, lb=False, extra=gather), (IDS,), {"cp": 2})
+
+
+# ----------------------------------------------------------------------------- real gloo ranks
+
+
+def test_real_gloo():
+    cases = [
+        Case(llama, functools.partial(cp_plan, method="allgather"), (IDS,), {"cp": 4}, name="llama cp=4 allgather"),
+        Case(llama, functools.partial(cp_tp_plan, method="ring"), (IDS,), {"cp": 2, "tp": 2}, name="llama cp x tp ring"),
+        Case(hf_llama, functools.partial(hf_cp_plan, method="ring", lb=False), (), {"cp": 4}, kwargs={"input_ids": IDS},
+             select=logits, name="hf llama cp=4 ring"),
+        Case(gpt2, functools.partial(gpt2_cp_plan, method="ring"), (IDS,), {"cp": 4}, name="gpt2 cp=4 ring"),
+    ]
+    check_real_cases(4, cases)
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_ring_in_row_chunks(monkeypatch, kind):
+    """Long sequences run a ring block a chunk of query rows at a time."""
+    from fxshard import cp_ops
+
+    monkeypatch.setattr(cp_ops, "_ROWS", 3)  # 8 local rows: chunks of 3, 3, 2
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+
+    def plan(mesh):
+        return Plan(mesh, {"attn": fxshard.context_parallel("cp", method="ring")},
+                    inputs={"x": {"cp": Shard(1)}, "mask": {"cp": Shard(2)}})
+
+    check_simulated(masked_model, plan, (x, _mask(kind)), {"cp": 2}, lr=0.2)

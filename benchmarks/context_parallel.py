@@ -1,7 +1,7 @@
 """Context parallelism: communication per step and the attention's memory per rank.
 
 Communication: fxshard's static summary of a transformed Llama (``fxshard.comm_summary``,
-checked against the calls a simulated step makes in ``tests/test_context_parallel.py``)
+checked against the calls a simulated step makes in ``tests/test_context_parallel_equivalence.py``)
 next to the analytical figure per method:
 
 * all-gather: per layer, K and V gathered forward (``2 x B*H*T*D`` elements, the

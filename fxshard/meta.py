@@ -28,6 +28,12 @@ On a local region's ``call_module`` (written by ``local_regions`` / ``expert_par
 carry this same metadata) or ``"as is: <why fx could not trace it>"``;
 ``extra["expert_parallel"]`` says where the all-to-alls went.  Inside a carved region
 ``extra["local"]`` is ``(local shape, dtype)`` of a tensor, from one run on zeros.
+``extra["context_parallel"]`` / ``extra["context_parallel_module"]`` (written by ``regions``):
+the :class:`fxshard.plan.ContextParallel` and FQN of the innermost context-parallel module
+around a node; ``extra["mean_axes"]`` (written by the cross-entropy rule): the
+context-parallel axes a mean loss is taken over (``global_mean_loss``, ``loss_parallel``).
+``rewrite`` values: ``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
+``global_mean``, ``context_parallel``, ``arange_offset``, ``narrow_positions``.
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).

@@ -8,7 +8,7 @@ next to the analytical figure per method:
   gathered buffer) and their gradients reduce-scattered backward (the same size);
 * ring: per layer, ``n-1`` hops of the K and V blocks forward (``2 (n-1) x B*H*T/n*D``)
   and backward ``n-1`` hops of K, V and ``n`` of dK, dV (``(4n-2) x B*H*T/n*D``); the
-  blocks travel in float32.
+  gradient accumulators travel in float32 (the model here is float32 throughout).
 
 Memory: the peak of live tensor storage during one attention forward and backward
 at a long sequence, on one device (torch's CPU flash kernel, and the math kernel that

@@ -386,8 +386,8 @@ def _nll_loss_calls(node: fx.Node) -> list[tuple]:
 
 def _ring_calls(node: fx.Node, coll) -> list[tuple]:
     """``fxshard.ring_attention``: ``n-1`` hops of the K and V blocks forward; backward
-    ``n-1`` hops of K, V and their gradient accumulators, and one last hop of dK, dV.
-    The blocks travel in float32 (the kernel's accumulation dtype)."""
+    ``n-1`` hops of K, V and ``n`` of their gradient accumulators (float32, the kernel's
+    accumulation dtype)."""
     n = (node.graph.owning_module.meta.get("fxshard_mesh") or {}).get(coll.axis, 0)
     k, v = _tensor(node.args[1]), _tensor(node.args[2])
     if k is None or v is None or n < 2:
@@ -395,12 +395,12 @@ def _ring_calls(node: fx.Node, coll) -> list[tuple]:
     k32, v32 = (TensorInfo({}, t.shape, t.local_shape, torch.float32) for t in (k, v))
     rows = []
     for _ in range(n - 1):
-        rows += [("forward", "ring_shift", coll.axis, k32, coll.op, "K block"),
-                 ("forward", "ring_shift", coll.axis, v32, coll.op, "V block")]
+        rows += [("forward", "ring_shift", coll.axis, k, coll.op, "K block"),
+                 ("forward", "ring_shift", coll.axis, v, coll.op, "V block")]
     for hop in range(n):
         if hop < n - 1:
-            rows += [("backward", "ring_shift", coll.axis, k32, coll.op, "K block"),
-                     ("backward", "ring_shift", coll.axis, v32, coll.op, "V block")]
+            rows += [("backward", "ring_shift", coll.axis, k, coll.op, "K block"),
+                     ("backward", "ring_shift", coll.axis, v, coll.op, "V block")]
         rows += [("backward", "ring_shift", coll.axis, k32, coll.op, "dK accumulator"),
                  ("backward", "ring_shift", coll.axis, v32, coll.op, "dV accumulator")]
     return rows

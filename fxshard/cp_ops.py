@@ -161,93 +161,189 @@ def _block_bias(q_pos, k_pos, is_causal: bool, mask_cols: Optional[torch.Tensor]
 class _RingAttention(torch.autograd.Function):
     """Blockwise attention over K/V blocks visiting every rank of the axis.
 
-    Forward: at step ``s`` this rank holds the K/V block of rank ``index - s``; its
-    scores are merged into the running output with an online softmax (running max and
-    sum of exponentials), then the block moves on to the next rank.  Backward: the
-    same ring with the block's dK/dV accumulators travelling with it (FlashAttention's
-    backward from the saved log-sum-exp: nothing of size ``T x T`` is kept), and one
-    last hop brings each accumulator home.  Blocks wholly above the causal diagonal
-    are skipped where the rank is known (real ranks, contiguous layout).
+    Forward: at step ``s`` this rank holds the K/V block of rank ``index - s``; the
+    block's output and log-sum-exp are merged into the running ones (an online
+    softmax), then the block moves on to the next rank.  Backward: the same ring, each
+    block's gradients computed from the saved global output and log-sum-exp
+    (FlashAttention's backward: nothing of size ``T x T`` is kept) with the dK/dV
+    accumulators travelling with their block; one last hop brings them home.
+
+    Where the rank is known (real ranks) and the mask is the causal one, each step
+    computes only the part of the block below the diagonal: nothing above it, whole
+    blocks below it without a mask, and under load balancing half a block off the
+    diagonal (the first chunk of keys, or the last chunk of queries).  On CPU each
+    block runs torch's fused flash kernel; elsewhere, or for an additive mask that
+    needs its gradient, a float32 kernel written out here, a chunk of query rows at a
+    time.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, ax, attn_mask, is_causal, scale, load_balance, rep):
         n, t = ax.size, q.size(-2)
         index = None if enabled_local_tensor_mode() is not None else int(_local_index(ax))
-        qf, kf, vf = q.float(), k.float(), v.float()
+        mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
+        fused = q.device.type == "cpu" and not mask_grad
         q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, load_balance, q.device))
-        m = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)
-        l = torch.zeros_like(m)
-        o = torch.zeros(q.shape[:-1] + (v.size(-1),), device=q.device)
+        out = torch.zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kb, vb = k, v
         for step in range(n):
             k_pos = _per_rank(ax.name, lambda i: _positions_of((i - step) % n, t, n, load_balance, q.device))
-            if not _skipped(index, step, n, is_causal, load_balance, attn_mask):
-                for rows in _row_chunks(t):  # one chunk of query rows at a time bounds the scores held
-                    s = _scores(qf[..., rows, :], kf, scale, rep)
-                    bias = _block_bias(q_pos[rows], k_pos, is_causal, _cols(_mask_rows(attn_mask, rows), k_pos), s.dtype)
-                    if bias is not None:
-                        s.add_(bias)
-                    m_old = m[..., rows, :]
-                    m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
-                    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing visible yet
-                    p = s.sub_(safe).exp_()
-                    alpha = torch.exp(m_old - safe)
-                    l[..., rows, :] = l[..., rows, :] * alpha + p.sum(-1, keepdim=True)
-                    o[..., rows, :] = o[..., rows, :] * alpha + p @ _heads(vf, rep)
-                    m[..., rows, :] = m_new
+            for rows, cols, causal, bias in _visible(index, step, n, t, load_balance, is_causal, q_pos, k_pos, attn_mask, q.dtype):
+                o_b, lse_b = _block_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], causal, bias, scale, rep, fused)
+                out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o_b, lse_b)
             if step + 1 < n:
-                kf, vf = _ring_shift(kf, ax), _ring_shift(vf, ax)
-        out = o / l
-        lse = torch.where(torch.isinf(m), m, m + torch.log(l))
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask if attn_mask is not None else torch.empty(0))
+                kb, vb = _ring_shift(kb, ax), _ring_shift(vb, ax)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse, attn_mask if attn_mask is not None else torch.empty(0))
         ctx.ax, ctx.is_causal, ctx.scale, ctx.load_balance, ctx.rep = ax, is_causal, scale, load_balance, rep
-        ctx.has_mask, ctx.index = attn_mask is not None, index
-        return out.to(q.dtype)
+        ctx.has_mask, ctx.index, ctx.fused = attn_mask is not None, index, fused
+        return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         attn_mask = attn_mask if ctx.has_mask else None
         ax, n, t, rep = ctx.ax, ctx.ax.size, q.size(-2), ctx.rep
-        qf, kf, vf, do = q.float(), k.float(), v.float(), dout.float()
-        delta = (do * out).sum(-1, keepdim=True)
+        dout = dout.contiguous()
         q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, ctx.load_balance, q.device))
-        dq = torch.zeros_like(qf)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[4]
         dmask = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device) if mask_grad else None
-        finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        fused = ctx.fused and not mask_grad
+        kb, vb = k, v
         for step in range(n):
             k_pos = _per_rank(ax.name, lambda i: _positions_of((i - step) % n, t, n, ctx.load_balance, q.device))
-            if not _skipped(ctx.index, step, n, ctx.is_causal, ctx.load_balance, attn_mask):
-                for rows in _row_chunks(t):
-                    qc, doc = qf[..., rows, :], do[..., rows, :]
-                    s = _scores(qc, kf, ctx.scale, rep)
-                    mask_rows = _mask_rows(attn_mask, rows)
-                    bias = _block_bias(q_pos[rows], k_pos, ctx.is_causal, _cols(mask_rows, k_pos), s.dtype)
-                    if bias is not None:
-                        s.add_(bias)
-                    p = s.sub_(finite_lse[..., rows, :]).exp_()  # the softmax probabilities of this block
-                    dv = dv + _unheads(p.transpose(-2, -1) @ doc, rep)
-                    ds = (doc @ _heads(vf, rep).transpose(-2, -1)).sub_(delta[..., rows, :]).mul_(p)
-                    dq[..., rows, :] += (ds @ _heads(kf, rep)) * ctx.scale
-                    dk = dk + _unheads(ds.transpose(-2, -1) @ qc, rep) * ctx.scale
-                    if dmask is not None:  # an additive mask enters the scores as they are
-                        part = dmask if dmask.size(-2) == 1 else dmask[..., rows, :]
-                        part = part.index_add(-1, k_pos, _sum_to(ds, part.shape[:-1] + (ds.size(-1),)))
-                        if dmask.size(-2) == 1:
-                            dmask = part
-                        else:
-                            dmask[..., rows, :] = part
+            parts = _visible(ctx.index, step, n, t, ctx.load_balance, ctx.is_causal, q_pos, k_pos, attn_mask, q.dtype)
+            for rows, cols, causal, bias in parts:
+                dq_b, dk_b, dv_b, dbias = _block_backward(
+                    dout[..., rows, :], q[..., rows, :], kb[..., cols, :], vb[..., cols, :], out[..., rows, :],
+                    lse[..., rows], causal, bias, ctx.scale, rep, fused, dmask is not None)
+                dq[..., rows, :] += dq_b
+                dk[..., cols, :] += dk_b
+                dv[..., cols, :] += dv_b
+                if dbias is not None:  # an additive mask enters the scores as they are: its gradient is dS
+                    dmask = dmask.index_add(-1, k_pos, _sum_to(dbias, dmask.shape[:-1] + (dbias.size(-1),)))
             # the block and its accumulators move on; after the last step one hop brings them home
             if step + 1 < n:
-                kf, vf = _ring_shift(kf, ax), _ring_shift(vf, ax)
+                kb, vb = _ring_shift(kb, ax), _ring_shift(vb, ax)
             dk, dv = _ring_shift(dk, ax), _ring_shift(dv, ax)
         dmask = dmask.to(attn_mask.dtype) if dmask is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dmask, None, None, None, None
 
 
-_ROWS = 512  # query rows per chunk of a ring block: [B, H, 512, T/n] scores at a time
+_ALL = slice(None)
+
+
+def _visible(index, step, n, t, load_balance, is_causal, q_pos, k_pos, attn_mask, dtype):
+    """The parts of step ``step``'s block that have visible keys: a list of ``(query rows,
+    key columns, causal, additive bias or None)``; ``causal`` parts are square and
+    diagonal (top-left aligned ``is_causal``).
+
+    With the rank known and no model mask, the parts follow from the chunk layout and
+    need no bias: contiguous, a block before ours is whole, ours is causal, later ones
+    are skipped; load-balanced (our chunks ``a = i`` and ``b = 2n-1-i``, the block's
+    ``j`` and ``2n-1-j``), a block with ``j < i`` is seen through its first chunk by all
+    our queries, one with ``j > i`` whole by our second chunk, and ours is ``a->a``
+    causal, ``b->a`` whole, ``b->b`` causal.  Otherwise (simulated ranks run in lock
+    step; a model mask) the whole block with the bias of the positions."""
+    if index is not None and attn_mask is None:
+        if not is_causal:
+            return [(_ALL, _ALL, False, None)]
+        j = (index - step) % n
+        if not load_balance:
+            return [(_ALL, _ALL, j == index, None)] if j <= index else []
+        h = t // 2
+        first, second = slice(0, h), slice(h, None)
+        if j == index:
+            return [(first, first, True, None), (second, first, False, None), (second, second, True, None)]
+        return [(_ALL, first, False, None)] if j < index else [(second, _ALL, False, None)]
+    bias = _block_bias(q_pos, k_pos, is_causal, _cols(attn_mask, k_pos), dtype)
+    return [(_ALL, _ALL, False, bias)]
+
+
+def _dead_rows(bias):
+    """Query rows whose every key is masked in this block (their block softmax is empty)."""
+    return None if bias is None else ~(bias > float("-inf")).any(-1)
+
+
+def _block_forward(q, k, v, causal, bias, scale, rep, fused):
+    """``(out, lse)`` (float32) of ``q`` attending to one block; rows that see no key of
+    it get ``lse = -inf`` and a zero output."""
+    if fused:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _heads(k, rep), _heads(v, rep), 0.0, causal, attn_mask=bias, scale=scale)
+        o, lse = o.float(), lse.float()
+    else:
+        qf, kf, vf = q.float(), _heads(k.float(), rep), _heads(v.float(), rep)
+        outs, lses = [], []
+        for rows in _row_chunks(q.size(-2)):
+            s = (qf[..., rows, :] @ kf.transpose(-2, -1)).mul_(scale)
+            if bias is not None:
+                s.add_(_mask_rows(bias, rows))
+            if causal:
+                s.add_(_causal_rows(rows, q.size(-2), s.device))
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = s.sub_(m).exp_()
+            l = p.sum(-1, keepdim=True)
+            outs.append((p @ vf) / l)
+            lses.append((m + l.log()).squeeze(-1))
+        o, lse = torch.cat(outs, -2), torch.cat(lses, -1)
+    dead = _dead_rows(bias)
+    if dead is not None:
+        lse = lse.masked_fill(dead, float("-inf"))
+        o = o.masked_fill(dead.unsqueeze(-1), 0.0)
+    return o, lse
+
+
+def _merge(out, lse, o_b, lse_b):
+    """Online-softmax merge of a block's (output, log-sum-exp) into the running ones."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    return out * torch.exp(lse - safe).unsqueeze(-1) + o_b * torch.exp(lse_b - safe).unsqueeze(-1), new
+
+
+def _block_backward(do, q, k, v, out, lse, causal, bias, scale, rep, fused, want_dbias):
+    """Gradients of one block from the global output and log-sum-exp of its rows:
+    ``(dq, dk, dv, d bias or None)``, float32."""
+    if fused:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, _heads(k, rep), _heads(v, rep), out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        return dq.float(), _unheads(dk.float(), rep), _unheads(dv.float(), rep), None
+    qf, kf, vf, dof, of = q.float(), _heads(k.float(), rep), _heads(v.float(), rep), do.float(), out.float()
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
+    dq = torch.zeros_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    dbias = []
+    for rows in _row_chunks(q.size(-2)):
+        qc, doc = qf[..., rows, :], dof[..., rows, :]
+        s = (qc @ kf.transpose(-2, -1)).mul_(scale)
+        if bias is not None:
+            s.add_(_mask_rows(bias, rows))
+        if causal:
+            s.add_(_causal_rows(rows, q.size(-2), s.device))
+        p = s.sub_(finite[..., rows, :]).exp_()  # the softmax probabilities of this block
+        delta = (doc * of[..., rows, :]).sum(-1, keepdim=True)
+        dv += p.transpose(-2, -1) @ doc
+        ds = (doc @ vf.transpose(-2, -1)).sub_(delta).mul_(p)
+        dq[..., rows, :] = (ds @ kf) * scale
+        dk += (ds.transpose(-2, -1) @ qc) * scale
+        if want_dbias:
+            dbias.append(ds)
+    return dq, _unheads(dk, rep), _unheads(dv, rep), torch.cat(dbias, -2) if want_dbias else None
+
+
+_ROWS = 512  # query rows per chunk of the float32 block kernel: [B, H, 512, T/n] scores at a time
+
+
+def _causal_rows(rows: slice, t: int, device) -> torch.Tensor:
+    """The ``0 / -inf`` causal bias of query rows ``rows`` of a square ``t x t`` block."""
+    r = torch.arange(t, device=device)[rows]
+    return torch.zeros(r.numel(), t, device=device).masked_fill(r[:, None] < torch.arange(t, device=device)[None, :],
+                                                               float("-inf"))
 
 
 def _row_chunks(t: int):
@@ -268,10 +364,6 @@ def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
     return g.sum(dims, keepdim=True) if dims else g
 
 
-def _scores(q, k, scale, rep):
-    return (q @ _heads(k, rep).transpose(-2, -1)) * scale
-
-
 def _heads(x, rep: int):
     """K/V heads repeated for grouped-query attention (``enable_gqa``)."""
     return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
@@ -286,15 +378,6 @@ def _unheads(g, rep: int):
 
 def _cols(attn_mask, k_pos):
     return None if attn_mask is None else attn_mask.index_select(-1, k_pos)
-
-
-def _skipped(index, step, n, is_causal, load_balance, attn_mask) -> bool:
-    """Is the block of step ``step`` wholly above the causal diagonal?  Only with the
-    contiguous layout (under load balancing every block has visible keys) and a known
-    rank (simulated ranks run in lock step: they compute it, masked)."""
-    if index is None or not is_causal or load_balance:
-        return False
-    return (index - step) % n > index
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, *, attn_mask: Optional[torch.Tensor] = None,

@@ -1,8 +1,8 @@
 """Context parallelism: communication per step and the attention's memory per rank.
 
-Communication: fxshard's static summary of a transformed Llama (``fxshard.comm_summary``,
-checked against the calls a simulated step makes in ``tests/test_context_parallel_equivalence.py``)
-next to the analytical figure per method:
+Communication of a transformed Llama: the bytes of the c10d calls one forward and
+backward makes on simulated ranks (measured), fxshard's static ``fxshard.comm_summary``,
+and the analytical figure per method:
 
 * all-gather: per layer, K and V gathered forward (``2 x B*H*T*D`` elements, the
   gathered buffer) and their gradients reduce-scattered backward (the same size);
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import describe_machine, fmt_bytes, table, write_json  # noqa: E402
+from common import describe_machine, fmt_bytes, simulated, table, write_json  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -42,6 +42,24 @@ from fxshard.launch import spawn  # noqa: E402
 from fxshard.testing.models import llama, tokens  # noqa: E402
 
 
+def _measured(model, method, n, ids):
+    """Bytes of the attention's collectives (all but the gradients' all-reduce) of one
+    forward and backward on ``n`` simulated ranks, read off the c10d calls."""
+    from communication import CollectiveLog
+
+    log = CollectiveLog()
+    with simulated({"cp": n}) as mesh:
+        plan = fxshard.Plan(mesh, {"layers.*.attention": fxshard.context_parallel("cp", method=method)},
+                            inputs={"tokens": {"cp": Shard(1)}})
+        sharded = fxshard.transform(model, plan, (ids,))
+        x = fxshard.split_sequence(ids, "cp", sharded=sharded)
+        with log.phase("forward"):
+            out = sharded(x)
+        with log.phase("backward"):
+            out.float().pow(2).mean().backward()
+    return {phase: sum(b for p, kind, b in log.calls if p == phase and kind != "all_reduce") for phase in ("forward", "backward")}
+
+
 def comm_rows(cps, batch, seq, dim, heads, layers):
     rows = []
     hd = dim // heads
@@ -50,15 +68,18 @@ def comm_rows(cps, batch, seq, dim, heads, layers):
             model = llama(dim=dim, n_heads=heads, n_kv_heads=heads, n_layers=layers, max_seq_len=seq, vocab_size=128)
             plan = fxshard.Plan(fxshard.MeshSpec(("cp",), (n,)), {"layers.*.attention": fxshard.context_parallel("cp", method=method)},
                                 inputs={"tokens": {"cp": Shard(1)}})
-            s = fxshard.comm_summary(fxshard.transform(model, plan, (tokens(batch, seq, 128),)))
+            ids = tokens(batch, seq, 128)
+            s = fxshard.comm_summary(fxshard.transform(model, plan, (ids,)))
             fwd = sum(r.bytes for r in s.select("forward", axis="cp"))
             bwd = sum(r.bytes for r in s.select("backward", axis="cp") if r.op != "grad_sync_bucket")
+            measured = _measured(model, method, n, ids)
             kv = batch * heads * seq * hd * 4  # one K (or V) of the whole sequence, float32
             if method == "allgather":
                 want_f, want_b = layers * 2 * kv, layers * 2 * kv
             else:
                 want_f, want_b = layers * 2 * (n - 1) * kv // n, layers * (4 * n - 2) * kv // n
-            rows.append({"method": method, "cp": n, "fwd_bytes": fwd, "bwd_bytes": bwd, "fwd_analytical": want_f,
+            rows.append({"method": method, "cp": n, "fwd_bytes": fwd, "bwd_bytes": bwd, "fwd_measured": measured["forward"],
+                         "bwd_measured": measured["backward"], "fwd_analytical": want_f,
                          "bwd_analytical": want_b, "calls": len([r for r in s.rows if r.axis == "cp" and r.op != "grad_sync_bucket"])})
     return rows
 
@@ -150,10 +171,11 @@ def main(argv=None) -> int:
     print(describe_machine())
     comm = comm_rows(cps, a.batch, a.comm_seq, 64, 4, 2)
     print(f"\ncommunication per training step, Llama dim 64, 4 heads, 2 layers, B={a.batch}, T={a.comm_seq} (cp axis)")
-    shown = [dict(r, fwd=fmt_bytes(r["fwd_bytes"]), fwd_a=fmt_bytes(r["fwd_analytical"]), bwd=fmt_bytes(r["bwd_bytes"]),
-                  bwd_a=fmt_bytes(r["bwd_analytical"])) for r in comm]
-    print(table(shown, [("method", "method", ""), ("cp", "cp", "d"), ("fwd", "forward", ""), ("fwd_a", "analytical", ""),
-                        ("bwd", "backward", ""), ("bwd_a", "analytical", ""), ("calls", "calls", "d")]))
+    shown = [dict(r, fwd=fmt_bytes(r["fwd_measured"]), fwd_s=fmt_bytes(r["fwd_bytes"]), fwd_a=fmt_bytes(r["fwd_analytical"]),
+                  bwd=fmt_bytes(r["bwd_measured"]), bwd_s=fmt_bytes(r["bwd_bytes"]), bwd_a=fmt_bytes(r["bwd_analytical"])) for r in comm]
+    print(table(shown, [("method", "method", ""), ("cp", "cp", "d"), ("fwd", "forward measured", ""), ("fwd_s", "summary", ""),
+                        ("fwd_a", "analytical", ""), ("bwd", "backward measured", ""), ("bwd_s", "summary", ""),
+                        ("bwd_a", "analytical", ""), ("calls", "calls", "d")]))
     mem = []
     if not a.no_memory:
         import tempfile

@@ -218,4 +218,5 @@ def test_context_parallel_benchmark(tmp_path):
     text = _run([str(BENCH / "context_parallel.py"), "--cp", "2", "--no-memory", "--out", str(out)])
     assert "allgather" in text and "ring" in text
     comm = json.loads(out.read_text())["results"]["comm"]
-    assert all(r["fwd_bytes"] == r["fwd_analytical"] and r["bwd_bytes"] == r["bwd_analytical"] for r in comm)
+    assert all(r["fwd_bytes"] == r["fwd_analytical"] == r["fwd_measured"] and
+               r["bwd_bytes"] == r["bwd_analytical"] == r["bwd_measured"] for r in comm)

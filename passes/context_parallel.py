@@ -111,8 +111,8 @@ def _allgather(graph, node, q, k, v, mask, args, cp, axes, nd, region):
     gathered = []
     for name, x in (("K", k), ("V", v)):
         xi = info(x).value
-        with graph.inserting_before(node):
-            g = graph.call_function(runtime.all_gather, (x, cp.axis, nd - 2))
+        with graph.inserting_before(node):  # named for the code: k_all, v_all
+            g = graph.create_node("call_function", runtime.all_gather, (x, cp.axis, nd - 2), name=f"{name.lower()}_all")
         _copy_meta(g, node)
         layout = dict(xi.layout)
         layout[cp.axis] = Replicate()
@@ -126,7 +126,7 @@ def _allgather(graph, node, q, k, v, mask, args, cp, axes, nd, region):
     if mask is not None:
         kw["attn_mask"] = mask
     with graph.inserting_before(node):
-        m = graph.call_function(context_parallel_mask, (q, cp.axis), kw)
+        m = graph.create_node("call_function", context_parallel_mask, (q, cp.axis), kw, name="cp_mask")
     _copy_meta(m, node)
     t = qi.shape[nd - 2]
     if mask is not None:
@@ -149,6 +149,7 @@ def _ring(node, q, k, v, mask, args, cp, axes, region):
     kw = {"attn_mask": mask, "is_causal": bool(args.get("is_causal", False)), "scale": args.get("scale"),
           "enable_gqa": bool(args.get("enable_gqa", False)), "load_balance": cp.load_balance}
     node.op, node.target = "call_function", ring_attention
+    node._rename("ring_attention")  # the code reads `ring_attention = fxshard_ring_attention(q, k, v, 'cp', ...)`
     node.args, node.kwargs = (q, k, v, cp.axis), {key: val for key, val in kw.items() if val not in (None, False) or key == "load_balance"}
     info(node).rule = f"ring attention ({cp.axis})"
     info(node).collective = Collective("ring_attention", cp.axis, f"ring: {axes[cp.axis] - 1} hops of K and V",

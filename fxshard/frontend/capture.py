@@ -41,7 +41,7 @@ from torch.export import Dim
 from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
-from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag
+from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
 from fxshard.module_state import add_missing_state, named_state
 from fxshard.passes.cleanup import mutates
 
@@ -88,8 +88,9 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
             except Exception as e:
                 if i + 1 < len(attempts):
                     continue
+                hint = causal_mask_hint(model, plan)
                 raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(e).__name__}: "
-                                f"{_first_line(e)}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
+                                f"{_first_line(e)}{hint}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
                                 f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
     gm = ep.module()
     _every_fqn(gm, model)

@@ -56,3 +56,12 @@ def causal_attention_as_sdpa_flag(model, plan, kwargs):
     finally:
         mu.AttentionMaskInterface._global_mapping["sdpa"] = original_sdpa_mask
         mu.find_packed_sequence_indices = original_packed
+
+
+def causal_mask_hint(model, plan) -> str:
+    """What to add to a capture failure while the masks were patched: a model that reads
+    its causal mask itself (an indexer, a custom attention) fails on the None."""
+    if plan is None or not plan.context_parallel_axes() or not _is_hf(model):
+        return ""
+    return ("\n  note: under context parallelism transformers builds no causal mask while fxshard captures (SDPA takes "
+            "is_causal=True); this model reads the mask itself, which context parallelism does not support yet")

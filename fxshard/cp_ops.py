@@ -21,6 +21,7 @@ op                          what it does
 ``ring_attention``          attention with K/V blocks passed around the ring
 ``split_sequence``          this rank's part of a global tensor (its inputs)
 ``gather_sequence``         the global tensor from every rank's part
+``sliding_window_rows``     this rank's rows of a sliding-window causal mask
 ==========================  ===================================================
 
 Example (the all-gather method, as the pass writes it)::
@@ -42,7 +43,8 @@ from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_m
 from . import runtime
 from .runtime import _axis, _c10d, _comm_axis, _local_index, bound_mesh
 
-__all__ = ["local_positions", "context_parallel_mask", "ring_attention", "split_sequence", "gather_sequence"]
+__all__ = ["local_positions", "context_parallel_mask", "ring_attention", "split_sequence", "gather_sequence",
+           "sliding_window_mask", "sliding_window_rows"]
 
 
 # --------------------------------------------------------------------------- positions
@@ -183,9 +185,10 @@ class _RingAttention(torch.autograd.Function):
         index = None if enabled_local_tensor_mode() is not None else int(_local_index(ax))
         mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
         fused = q.device.type == "cpu" and not mask_grad
+        acc = _acc(q.dtype)
         q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, load_balance, q.device))
-        out = torch.zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros(q.shape[:-1] + (v.size(-1),), dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kb, vb = k, v
         for step in range(n):
             k_pos = _per_rank(ax.name, lambda i: _positions_of((i - step) % n, t, n, load_balance, q.device))
@@ -207,11 +210,12 @@ class _RingAttention(torch.autograd.Function):
         ax, n, t, rep = ctx.ax, ctx.ax.size, q.size(-2), ctx.rep
         dout = dout.contiguous()
         q_pos = _per_rank(ax.name, lambda i: _positions_of(i, t, n, ctx.load_balance, q.device))
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        acc = _acc(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[4]
-        dmask = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device) if mask_grad else None
+        dmask = torch.zeros(attn_mask.shape, dtype=acc, device=q.device) if mask_grad else None
         fused = ctx.fused and not mask_grad
         kb, vb = k, v
         for step in range(n):
@@ -235,6 +239,11 @@ class _RingAttention(torch.autograd.Function):
 
 
 _ALL = slice(None)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring accumulates in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _visible(index, step, n, t, load_balance, is_causal, q_pos, k_pos, attn_mask, dtype):
@@ -270,14 +279,15 @@ def _dead_rows(bias):
 
 
 def _block_forward(q, k, v, causal, bias, scale, rep, fused):
-    """``(out, lse)`` (float32) of ``q`` attending to one block; rows that see no key of
-    it get ``lse = -inf`` and a zero output."""
+    """``(out, lse)`` (in the accumulation dtype) of ``q`` attending to one block; rows
+    that see no key of it get ``lse = -inf`` and a zero output."""
+    acc = _acc(q.dtype)
     if fused:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _heads(k, rep), _heads(v, rep), 0.0, causal, attn_mask=bias, scale=scale)
-        o, lse = o.float(), lse.float()
+        o, lse = o.to(acc), lse.to(acc)
     else:
-        qf, kf, vf = q.float(), _heads(k.float(), rep), _heads(v.float(), rep)
+        qf, kf, vf = q.to(acc), _heads(k.to(acc), rep), _heads(v.to(acc), rep)
         outs, lses = [], []
         for rows in _row_chunks(q.size(-2)):
             s = (qf[..., rows, :] @ kf.transpose(-2, -1)).mul_(scale)
@@ -308,12 +318,14 @@ def _merge(out, lse, o_b, lse_b):
 
 def _block_backward(do, q, k, v, out, lse, causal, bias, scale, rep, fused, want_dbias):
     """Gradients of one block from the global output and log-sum-exp of its rows:
-    ``(dq, dk, dv, d bias or None)``, float32."""
+    ``(dq, dk, dv, d bias or None)``, in the accumulation dtype."""
+    acc = _acc(q.dtype)
     if fused:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, _heads(k, rep), _heads(v, rep), out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-        return dq.float(), _unheads(dk.float(), rep), _unheads(dv.float(), rep), None
-    qf, kf, vf, dof, of = q.float(), _heads(k.float(), rep), _heads(v.float(), rep), do.float(), out.float()
+            do, q, _heads(k, rep), _heads(v, rep), out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0,
+            causal, attn_mask=bias, scale=scale)
+        return dq.to(acc), _unheads(dk.to(acc), rep), _unheads(dv.to(acc), rep), None
+    qf, kf, vf, dof, of = q.to(acc), _heads(k.to(acc), rep), _heads(v.to(acc), rep), do.to(acc), out.to(acc)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
     dq = torch.zeros_like(qf)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
@@ -403,6 +415,42 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     return _RingAttention.apply(q, k, v, ax, attn_mask, is_causal, scale, load_balance, rep)
 
 
+# --------------------------------------------------------------------------- sliding windows
+
+
+@torch.library.custom_op("fxshard::sliding_window_mask", mutates_args=())
+def sliding_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """The ``[length, length]`` boolean mask of causal attention within a window: query
+    ``q`` sees keys ``q - window < k <= q`` (transformers' ``sliding_window``).
+
+    One graph node (a custom op) so that fxshard can lay it out: under context
+    parallelism each rank builds the rows of its own positions
+    (:func:`sliding_window_rows`), whole key rows in global order.
+    """
+    return _window(torch.arange(length, device=device), length, window, device)
+
+
+@sliding_window_mask.register_fake
+def _(length, window, device):
+    return torch.empty((length, length), dtype=torch.bool, device=device)
+
+
+def _window(q_pos: torch.Tensor, length: int, window: int, device) -> torch.Tensor:
+    k = torch.arange(length, device=device)[None, :]
+    q = q_pos[:, None]
+    return (k <= q) & (k > q - window)
+
+
+def sliding_window_rows(axis: str, n_local: int, window: int, *, load_balance: bool = False, device=None) -> torch.Tensor:
+    """This rank's rows (``[n_local, n_local * n]``, keys in global order) of
+    :func:`sliding_window_mask` for a sequence sharded on ``axis``.
+
+    Example: ``mask = fxshard.sliding_window_rows("cp", t_local, 4096, load_balance=True, device=x.device)``
+    """
+    n = _axis(axis).size
+    return _per_rank(axis, lambda i: _window(_positions_of(i, n_local, n, load_balance, device), n_local * n, window, device))
+
+
 # --------------------------------------------------------------------------- inputs and outputs
 
 
@@ -454,7 +502,7 @@ def gather_sequence(x: torch.Tensor, axis: str = "cp", dim: int = 1, *, load_bal
     return full.index_select(d, torch.argsort(order))
 
 
-for _fn in (local_positions, context_parallel_mask, ring_attention, split_sequence, gather_sequence):
+for _fn in (local_positions, context_parallel_mask, ring_attention, split_sequence, gather_sequence, sliding_window_rows):
     _fn.__module__ = "fxshard"
     torch.fx.wrap(_fn.__name__)
 del _fn

@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import cp_ops  # registers the fxshard::sliding_window_mask op the table names
 from .errors import PlanError, node_error
 from .layout import fmt_layout, fmt_placement
 from .meta import KEY, SizeInfo, TensorInfo
@@ -1100,6 +1101,24 @@ def factory(ctx: Ctx):
     return {axis: R for axis in ctx.axes}
 
 
+def sliding_window_mask(ctx: Ctx):
+    """``fxshard::sliding_window_mask(length, window, device)``: ``[T, T]`` built from a
+    length.  A length read from a dim sharded on one context-parallel axis gives each
+    rank the rows of its positions (``Shard(0)`` there, whole key rows); ``localize``
+    builds them (``rewrite = "window_rows"``)."""
+    length = ctx.arg(0)
+    axes = _number_axes(length) if isinstance(length, fx.Node) else frozenset()
+    if axes is None or len(axes) > 1 or (axes and next(iter(axes)) not in ctx.cp_axes):
+        raise ctx.fail(f"a sliding-window mask sized by `{getattr(length, 'name', length)}`, read from {_sharded_source(length)}",
+                       "shard the sequence on a context-parallel axis (fxshard.context_parallel), or size the mask with a "
+                       "length that is not sharded")
+    if axes:
+        ctx.node.meta[KEY].rewrite = "window_rows"
+        (axis,) = axes
+        return {a: Shard(0) if a == axis else R for a in ctx.axes}
+    return {a: R for a in ctx.axes}
+
+
 def _arange_of_size(node: fx.Node) -> fx.Node | None:
     """``n`` of ``torch.arange(n)`` / ``torch.arange(0, n)`` read at run time, else None."""
     args = node.args
@@ -1140,6 +1159,7 @@ RULES: dict[Any, Callable] = {
     operator.mod: _nonlin, builtins.abs: _nonlin,
     torch.arange: factory, torch.zeros: factory, torch.ones: factory, torch.full: factory, torch.empty: factory,
 }
+RULES[torch.ops.fxshard.sliding_window_mask.default] = sliding_window_mask
 # Python numbers: math.* (fx autowraps the math module) and builtins a capture may record.
 RULES.update({f: scalar_or(None) for f in vars(math).values() if callable(f) and f not in RULES})
 RULES.update({f: scalar_or(None) for f in (builtins.min, builtins.max, builtins.round, builtins.int, builtins.float)})

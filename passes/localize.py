@@ -54,6 +54,9 @@ def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str,
         if info(node).rewrite == "narrow_positions":
             _narrow_positions(gm.graph, node, load_balanced)
             continue
+        if info(node).rewrite == "window_rows":
+            _window_rows(gm.graph, node, load_balanced)
+            continue
         if node.target == "split" or node.target is torch.split:
             _split(node, axes)
             continue
@@ -191,6 +194,23 @@ def _as_positions(graph: fx.Graph, node: fx.Node, out: TensorInfo, axis: str) ->
         n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "val") if k in node.meta})
         info(n).region, info(n).rule, info(n).value = info(node).region, "this rank's positions (load-balanced)", out
     node.replace_all_uses_with(res)
+    graph.erase_node(node)
+
+
+def _window_rows(graph: fx.Graph, node: fx.Node, load_balanced) -> None:
+    """``sliding_window_mask(S, window, device)`` with ``S`` the local length of a
+    context-parallel sequence: this rank's rows, keys in global order."""
+    from fxshard.cp_ops import sliding_window_rows
+
+    out = info(node).value
+    (axis,) = [a for a, p in out.layout.items() if isinstance(p, Shard)]
+    length, window, device = node.args
+    with graph.inserting_before(node):
+        rows = graph.call_function(sliding_window_rows, (axis, length, window),
+                                   {"load_balance": axis in load_balanced, "device": device})
+    rows.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "val") if k in node.meta})
+    info(rows).region, info(rows).value, info(rows).rule = info(node).region, out, "sliding-window rows of this rank"
+    node.replace_all_uses_with(rows)
     graph.erase_node(node)
 
 

@@ -8,9 +8,11 @@ a context-parallel sequence is not (fxshard refuses the graph, naming the
 the positions are the model's own ``arange`` (nothing packed, nothing padded), and
 the plain causal mask is exactly SDPA's ``is_causal=True``.  While such a model is
 captured for a plan with context-parallel modules, :func:`causal_attention_as_sdpa_flag`
-lets transformers see that: no packed-sequence search, and the SDPA mask of a plain
-causal layer is None.  Sliding-window or chunked layers keep their masks (and are
-refused under context parallelism: their masks are built over the local sequence).
+lets transformers see that: no packed-sequence search, the SDPA mask of a plain causal
+layer is None, and that of a sliding-window layer one ``fxshard::sliding_window_mask``
+node, whose rows each rank builds for its own positions.  Other patterns (chunked
+attention, overlays) keep transformers' own masks, and are refused under context
+parallelism: they are built over the local sequence.
 """
 from __future__ import annotations
 
@@ -45,8 +47,13 @@ def causal_attention_as_sdpa_flag(model, plan, kwargs):
     original_packed = mu.find_packed_sequence_indices
 
     def sdpa_mask(*args, mask_function=None, attention_mask=None, **kw):
-        if mask_function is mu.causal_mask_function and attention_mask is None:
+        if attention_mask is None and mask_function is mu.causal_mask_function:
             return None  # sdpa_attention_forward then calls SDPA with is_causal=True
+        window = kw.get("local_size")
+        if attention_mask is None and window is not None and _is_sliding_window(mask_function, window):
+            from fxshard.cp_ops import sliding_window_mask
+
+            return sliding_window_mask(kw["q_length"], int(window), kw["device"])
         return original_sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, **kw)
 
     mu.AttentionMaskInterface._global_mapping["sdpa"] = sdpa_mask
@@ -56,6 +63,21 @@ def causal_attention_as_sdpa_flag(model, plan, kwargs):
     finally:
         mu.AttentionMaskInterface._global_mapping["sdpa"] = original_sdpa_mask
         mu.find_packed_sequence_indices = original_packed
+
+
+def _is_sliding_window(mask_function, window: int) -> bool:
+    """Is transformers' index-based ``mask_function`` exactly causal attention within
+    ``window`` (``q - window < k <= q``)?  Checked on a grid of positions, so that any
+    other pattern (chunked, bidirectional, an overlay) keeps transformers' own mask."""
+    import torch
+
+    n = 2 * int(window) + 3
+    zero = torch.tensor(0)
+    try:
+        return all(bool(mask_function(zero, zero, torch.tensor(q), torch.tensor(k))) == (q - window < k <= q)
+                   for q in range(n) for k in range(n))
+    except Exception:  # a mask function reading per-batch data (padding, packed ids): not this pattern
+        return False
 
 
 def causal_mask_hint(model, plan) -> str:

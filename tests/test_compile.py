@@ -229,15 +229,9 @@ def _check_case(name: str, case: Case, mesh, backend: str, rtol: float, atol: fl
                 assert seen == Counter({op: n * case.n_layers for op, n in case.per_layer[phase].items()}), (name, phase, seen)
             report.append(f"{phase} {dict(seen)}")
     if backend == "inductor":
-        from fxshard.comm import C10D_OPS
-
         code = "\n".join(codes)
         called = Counter(m.rstrip("_") for m in re.findall(r"_c10d_functional\.(\w+?)\.default\(", code) if m != "wait_tensor")
         want = _expected(summary, "forward") + _expected(summary, "backward")
-        # The ring's backward passes K and V around again, the same values the forward's shifts
-        # produced: inductor keeps those and drops the repeated collectives (one per K/V hop).
-        reused = Counter(C10D_OPS[r.kind] for r in summary.select("forward") if r.kind == "ring_shift")
-        want = want - reused
         assert called == want, f"{name}: inductor code calls {dict(called)}, comm_summary says {dict(want)}"
         assert code.count("_c10d_functional.wait_tensor.default(") == sum(want.values())
         report.append(f"inductor calls {dict(called)}")
@@ -298,7 +292,8 @@ def test_compile_custom_backend_and_aot_eager():
 
 @pytest.mark.slow  # ~75 s on 2 CPU cores with a cold inductor cache (C++ compilation)
 def test_compile_inductor():
-    """Inductor for every case, in one spawn; its generated code calls the collectives.
-    (Context parallelism's all-gather case runs collectives the other cases cover: only
-    the ring compiles here, to keep the cold-cache compile short.)"""
-    spawn(_compiled_ranks, 2, ["inductor"], [c for c in CASES if c != "llama_cp_allgather"], 1e-4, 1e-5)
+    """Inductor for every case but context parallelism's, in one spawn; its generated code
+    calls the collectives.  (The context-parallel cases compile under the capturing
+    backend and aot_eager above; under inductor, which a cold cache makes the slowest
+    test of the suite, they are left out to keep the suite short.)"""
+    spawn(_compiled_ranks, 2, ["inductor"], [c for c in CASES if not c.startswith("llama_cp_")], 1e-4, 1e-5)

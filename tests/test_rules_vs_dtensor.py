@@ -368,6 +368,11 @@ SAMPLES: list[Sample] = [
 
 # entries that take no tensor: Python-number arithmetic (math.*, builtins), covered by the propagate tests
 SCALAR_ONLY = {f for f, r in rules.RULES.items() if getattr(r, "__name__", "") == "number arithmetic"}
+# fxshard's own ops, which DTensor has no strategy for: their rules are tested where they are used
+NOT_SAMPLED = {
+    torch.ops.fxshard.sliding_window_mask.default: "a mask built from a length under context parallelism "
+                                                   "(tests/test_context_parallel_equivalence.py: HF sliding-window layers)",
+}
 
 
 # ----------------------------------------------------------------------------- allowlist and defects
@@ -997,7 +1002,7 @@ def _covered() -> set:
 def test_every_rule_has_a_sample():
     """Every rule of an op on tensors is exercised by a sample (new rules need one)."""
     covered = _covered()
-    want_fn = {f for f in rules.RULES if f not in SCALAR_ONLY}
+    want_fn = {f for f in rules.RULES if f not in SCALAR_ONLY and f not in NOT_SAMPLED}
     missing = [getattr(f, "__name__", str(f)) for f in want_fn if f not in covered]
     missing += [m for m in rules.METHOD_RULES if m not in covered]
     assert not missing, f"layout rules without a sample in SAMPLES: {sorted(missing)}"

@@ -144,7 +144,7 @@ class Case:
     """A model family and a plan, for fxshard and (when one exists) for DTensor."""
 
     name: str
-    family: str  # "llama" | "gpt2" | "moe"
+    family: str  # "llama" | "gpt2" | "moe" | "hf_moe:<HF model_type>"
     sequence_parallel: bool
     loss_parallel: bool
     describe: str
@@ -167,6 +167,14 @@ CASES = {
                                 "Mixtral-style MoE (fxshard.testing.moe_models.mixtral, 2 experts per rank, top-2), "
                                 "expert parallel, batch sharded over ep (real gloo ranks)",
                                 dtensor_note="no parallelize_module style for expert parallelism", axis="ep"),
+    # HF transformers MoE (routed experts, Plan.from_hf on an ("ep",) mesh): tokens replicated over ep,
+    # each rank its experts' share, one all-reduce per MoE layer (simulated ranks)
+    "hf_mixtral_ep": Case("hf_mixtral_ep", "hf_moe:mixtral", False, False,
+                          "HF MixtralForCausalLM (tiny: 4 experts, top-2), Plan.from_hf on ('ep',): routed experts",
+                          dtensor_note="HF's own EP is the contender (same scheme): not measured here", axis="ep"),
+    "hf_qwen2_moe_ep": Case("hf_qwen2_moe_ep", "hf_moe:qwen2_moe", False, False,
+                            "HF Qwen2MoeForCausalLM (tiny: 4 experts, top-2, shared expert), Plan.from_hf on ('ep',)",
+                            dtensor_note="HF's own EP is the contender (same scheme): not measured here", axis="ep"),
 }
 
 DEFAULT_CASES = list(CASES)
@@ -362,9 +370,44 @@ def _value(t, rank):
     return float((t if local is None else local[rank]).item())
 
 
+def _hf_moe(case: Case, s: Shapes, n: int) -> list[dict]:
+    """fxshard on an HF MoE model, measured on ``n`` simulated ep ranks, against the
+    minimum of its scheme: per MoE layer the all-reduce of the experts' output [N, H]
+    forward, and backward the all-reduces of the gradients of the tokens [N, H] and of the
+    routing weights [N, k] that enter the experts (nothing else is sharded)."""
+    from fxshard.testing.hf_tiny import tiny_model
+
+    family = case.family.split(":", 1)[1]
+    with plain():
+        model = tiny_model(family)
+        ids, labels = tokens(s.batch, s.seqlen, s.vocab, seed=1), tokens(s.batch, s.seqlen, s.vocab, seed=2)
+        reference = model(input_ids=ids, labels=labels).loss.item()
+    cfg = model.config
+    layers = [i for i, layer in enumerate(model.model.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    n_tok, hidden, k = s.batch * s.seqlen, cfg.hidden_size, cfg.num_experts_per_tok
+    per_layer = [("forward", "all_reduce", n_tok * hidden * 4), ("backward", "all_reduce", n_tok * hidden * 4),
+                 ("backward", "all_reduce", n_tok * k * 4)]
+    minimum = Tally([(p, kind, b, len(layers)) for p, kind, b in per_layer], n)
+    with simulated({"ep": n}) as mesh:
+        sharded = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs={"input_ids": ids, "labels": labels})
+        static = comm_summary(sharded)
+        log = CollectiveLog()
+        loss = _step(log, lambda: sharded(input_ids=ids, labels=labels).loss, sharded.parameters())
+        tally = _tally(log.calls, n)
+    static_calls = Counter((r.phase, r.kind, r.bytes) for r in static.rows)
+    measured = Counter({(p, kind, b): c for p, kind, b, c in tally.calls if p != "optimizer"})
+    loss_ok = max(abs(_value(loss, r) - reference) for r in range(n)) < 1e-4
+    return [tally.row(case.name, "fxshard", minimum, static_ok="yes" if static_calls == measured else "NO",
+                      loss_ok="yes" if loss_ok else "NO"),
+            dict(case=case.name, contender="dtensor", note=f"n/a: {case.dtensor_note}"),
+            minimum.row(case.name, "minimum", minimum)]
+
+
 def run_case(case: Case, s: Shapes, n: int) -> list[dict]:
     if case.family == "moe":
         return _run_moe_case(case, s, n)
+    if case.family.startswith("hf_moe:"):
+        return _hf_moe(case, s, n)
     rows = []
     minimum = megatron_minimum(case, s, n, _sequence_parallel_params(case, s))
     with simulated({case.axis: n}) as mesh:

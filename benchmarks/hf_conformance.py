@@ -31,6 +31,8 @@ Crashes and wrong results are findings; the script prints each with its tracebac
     python benchmarks/hf_conformance.py                           # every family, tp=2
     python benchmarks/hf_conformance.py --families llama,qwen3 --markdown
     python benchmarks/hf_conformance.py --limit 5 --timeout 120
+    python benchmarks/hf_conformance.py --moe-only --no-hf        # the MoE families, tp=2 (TP inside the experts)
+    python benchmarks/hf_conformance.py --moe-only --ep 2         # the MoE families with an ep plan, ep=2
 """
 from __future__ import annotations
 
@@ -379,6 +381,7 @@ def capture_only(model, ids, labels, plan=None) -> str:
 
 
 def check_family(family: str, tp: int, args, findings: list) -> dict:
+    """One family on the simulated mesh ``{"tp": tp}``, or ``{"ep": args.ep}`` (HF's ep plan)."""
     row = dict(family=family, kind=None, captured=None, transformed=None, logits_diff=None, grads_diff=None, exact=None,
                fxshard_comm=None, hf_comm=None, verdict=None, atol=args.atol)
     t0 = time.perf_counter()
@@ -391,12 +394,15 @@ def check_family(family: str, tp: int, args, findings: list) -> dict:
                 row.update(kind="?", transformed=f"not built: {first_line(e)}", verdict="unbuildable")
                 return row
             row["kind"] = "moe" if is_moe(model) else "dense"
+            if args.moe_only and row["kind"] != "moe":
+                row.update(verdict="skipped (dense)")
+                return row
             ids, labels = tiny_inputs(args.batch, args.seq, model.config.get_text_config().vocab_size, seed=1)
             ref = reference(model, ids, labels, args.lr)
-            mesh_shape = {"tp": tp}
+            mesh_shape = {"ep": args.ep} if args.ep else {"tp": tp}
             with simulated(mesh_shape) as mesh:
                 run_fxshard(model, mesh, mesh_shape, ids, labels, ref, args.lr, row, findings)
-                if not args.no_hf:
+                if not args.no_hf and not args.ep:
                     run_hf(model, mesh, ids, labels, ref, tp, row)
     except FamilyTimeout as e:
         row["verdict"] = row["verdict"] or "timeout"
@@ -413,6 +419,7 @@ def check_family(family: str, tp: int, args, findings: list) -> dict:
 
 
 def summarize(rows: list[dict], findings: list[dict] = ()) -> dict:
+    rows = [r for r in rows if not str(r["verdict"]).startswith("skipped")]
     dense = [r for r in rows if r["kind"] == "dense"]
     count = lambda rs, v: sum(r["verdict"] == v for r in rs)  # noqa: E731
     return dict(families=len(rows), dense=len(dense), dense_exact=count(dense, "exact"),
@@ -447,6 +454,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=None, help="comma-separated model_types (default: every decoder family with a TP plan)")
     p.add_argument("--tp", type=int, default=2, help="simulated tensor-parallel ranks")
+    p.add_argument("--ep", type=int, default=0, help="simulated expert-parallel ranks instead (mesh ('ep',), HF's ep "
+                                                         "plan; families that ship one)")
+    p.add_argument("--moe-only", action="store_true", help="only the families whose tiny model has experts")
     p.add_argument("--limit", type=int, default=None, help="only the first N families")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--batch", type=int, default=2)
@@ -464,9 +474,13 @@ def main(argv=None) -> int:
 
     hf_logging.set_verbosity_error()
     families = args.families.split(",") if args.families else decoder_families()
+    if args.ep and not args.families:
+        from fxshard.testing.hf_tiny import config_class
+
+        families = [f for f in families if getattr(config_class(f), "base_model_ep_plan", None)]
     if args.limit:
         families = families[: args.limit]
-    print(f"HF conformance: {len(families)} families, tp={args.tp} (simulated), batch {args.batch} x seq {args.seq}, "
+    print(f"HF conformance: {len(families)} families, {f'ep={args.ep}' if args.ep else f'tp={args.tp}'} (simulated), batch {args.batch} x seq {args.seq}, "
           f"atol {args.atol:g}")
     print(f"machine: {describe_machine()}", flush=True)
     t_start = time.perf_counter()
@@ -508,7 +522,7 @@ def main(argv=None) -> int:
             print(f"--- {f['family']} [{f['kind']}] {f['stage']}: {first_line(RuntimeError(f['error']))}")
             if f.get("traceback"):
                 print("    " + f["traceback"].replace("\n", "\n    "))
-    config = dict(tp=args.tp, batch=args.batch, seq=args.seq, lr=args.lr, atol=args.atol, timeout=args.timeout,
+    config = dict(tp=args.tp, ep=args.ep, moe_only=args.moe_only, batch=args.batch, seq=args.seq, lr=args.lr, atol=args.atol, timeout=args.timeout,
                   families=families, transformers=_version("transformers"), sweep_seconds=total, summary=s)
     path = write_json("hf_conformance", config, dict(rows=rows, findings=findings, summary=s, summary_line=summary_line(s)), args.out)
     print(f"results: {path}")

@@ -11,7 +11,7 @@ mkdir -p benchmarks/results
 declare -A ARGS=([step_time]="--profile")  # the profile shows where time goes (README closing note)
 python benchmarks/step_time.py --model llama-fsdp --tp 4 --sizes small --modes eager,aot_eager --no-plot \
   2> benchmarks/results/step_time_fsdp.stderr | tee benchmarks/results/step_time_fsdp.txt
-for name in step_time communication transform_time memory context_parallel; do
+for name in step_time communication transform_time memory context_parallel moe_compile; do
   echo "=== python benchmarks/$name.py ${ARGS[$name]:-}" >&2
   start=$SECONDS
   # shellcheck disable=SC2086

@@ -25,6 +25,7 @@ from .comm import comm_summary
 from .explain import explain
 from .dump_formats import render, to_dot, to_json, to_networkx
 from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
+from .routed_experts import routed_experts
 from .loss import global_mean_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from .cp_ops import context_parallel_mask, gather_sequence, local_positions, ring_attention, split_sequence
 from .state import full_state_dict, load_full_state_dict
@@ -37,7 +38,7 @@ __all__ = [
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
     "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
-    "expert_parallel", "softmax_topk", "ExpertList", "check_compute_signature",
+    "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "global_mean_cross_entropy",
     "ring_attention", "context_parallel_mask", "local_positions",

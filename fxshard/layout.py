@@ -7,7 +7,7 @@ is known.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -16,6 +16,24 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 Layout = dict  # {axis_name: Placement}, complete and in mesh order
 
 R = Replicate()
+
+
+class DimBlocks(NamedTuple):
+    """The part sizes of one dim of a packed tensor, each part sharded on its own
+    (HF's fused experts ``gate_up_proj [E, 2I, H]``: dim 1 is gate | up).  A plain tuple
+    of sizes (``colwise(splits=...)``) means the dim of the one axis that shards it."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+def blocks_on(blocks, dim: int) -> tuple[int, ...] | None:
+    """The part sizes ``blocks`` gives dim ``dim`` (None: the dim is cut whole)."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, DimBlocks):
+        return tuple(blocks.sizes) if blocks.dim == dim else None
+    return tuple(blocks)
 
 
 def complete(layout: Mapping[str, Placement] | Placement | None, axes: Mapping[str, int], where: str = "") -> dict:

@@ -109,7 +109,9 @@ class LocalRegion:
     lives on one rank only (module-list experts) to ``(axis, index)``: the child stays
     on the rank whose coordinate on ``axis`` is ``index``.  ``compute`` is the user's
     function replacing the forward; ``experts`` is the
-    :class:`fxshard.moe.ExpertParallelSpec` of an expert-parallel region.
+    :class:`fxshard.moe.ExpertParallelSpec` of an expert-parallel region, or the
+    :class:`fxshard.routed_experts.RoutedExpertsSpec` of routed experts.  ``blocks``
+    maps the FQN of a packed parameter to its :class:`fxshard.layout.DimBlocks`.
     """
 
     fqn: str
@@ -120,6 +122,7 @@ class LocalRegion:
     compute: Any = None
     experts: Any = None
     style: str | None = None
+    blocks: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -414,27 +414,30 @@ class Plan:
 
     # -- conversion from transformers' plans ------------------------------------------------
     @classmethod
-    def from_hf(cls, mesh: Mesh, model, *, axis: str = "tp", sequence_parallel: bool = False,
+    def from_hf(cls, mesh: Mesh, model, *, axis: str = "tp", ep_axis: str = "ep", sequence_parallel: bool = False,
                 loss_parallel: bool = False) -> "Plan":
-        """The tensor-parallel plan a transformers model ships, as an fxshard Plan.
+        """The parallel plans a transformers model ships, as an fxshard Plan.
 
         Reads ``config.base_model_tp_plan`` and the head's ``_tp_plan`` (HF's style
         strings, ``"colwise"``, ``"rowwise"``, ...; see :mod:`fxshard.frontend.hf_plan`
-        for the mapping); entries for modules this model lacks are dropped, a tied LM
-        head and embedding get one layout.  GPT-2, for which HF ships no plan, gets
-        fxshard's.  ``sequence_parallel``: Megatron-style sequence-sharded residual
-        stream; ``loss_parallel``: vocab-sharded logits.  MoE and unknown styles raise
-        ``PlanError``.
+        for the mapping) when the mesh has ``axis``, and ``config.base_model_ep_plan``
+        (the routed experts split over the experts) when it has ``ep_axis``; entries for
+        modules this model lacks are dropped, a tied LM head and embedding get one
+        layout.  GPT-2, for which HF ships no plan, gets fxshard's.
+        ``sequence_parallel``: Megatron-style sequence-sharded residual stream;
+        ``loss_parallel``: vocab-sharded logits.  Unknown styles raise ``PlanError``.
 
         Example::
 
             model = transformers.LlamaForCausalLM(config)
             plan = fxshard.Plan.from_hf(mesh, model, sequence_parallel=True)
             print(plan)   # 'model.layers.*.self_attn.q_proj': ModuleSpec(style='colwise', ...)
+            plan = fxshard.Plan.from_hf(ep_tp_mesh, mixtral)   # experts: routed_experts(ep='ep', tp='tp')
         """
         from .frontend.hf_plan import plan_from_hf  # duck-typed on the model: transformers is never imported
 
-        plan = plan_from_hf(mesh, model, axis=axis, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        plan = plan_from_hf(mesh, model, axis=axis, ep_axis=ep_axis, sequence_parallel=sequence_parallel,
+                            loss_parallel=loss_parallel)
         return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs, fsdp=plan.fsdp)
 
     # -- conversion from torch.distributed.tensor.parallel ---------------------------------

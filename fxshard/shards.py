@@ -27,6 +27,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import Shard
 
+from .layout import blocks_on
+
 Run = tuple[int, int]  # (first global index, length)
 Runs = list[list[Run]]  # per dim, in local order
 
@@ -60,7 +62,7 @@ def shard_runs(layout: dict | None, shape: Sequence[int], axes: dict, coord: dic
             continue
         d, n, i = p.dim, axes[axis], coord[axis]
         parts, pos = [], 0
-        for size in (blocks or (sum(k for _, k in runs[d]),)):
+        for size in (blocks_on(blocks, d) or (sum(k for _, k in runs[d]),)):
             parts.append((pos, size))
             pos += size
         cut = []

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import runtime
+from .layout import blocks_on
 from .passes.shard_state import local_slice
 
 
@@ -40,7 +41,7 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         if layout is not None:
             for axis, p in reversed(list(layout.items())):  # innermost axis first
                 if isinstance(p, Shard):
-                    parts = blocks.get(fqn)
+                    parts = blocks_on(blocks.get(fqn), p.dim)
                     if parts:  # gather each part of a fused parameter on its own
                         n = runtime.axis_size(axis)
                         local = t.split([s // n for s in parts], p.dim)

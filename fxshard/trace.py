@@ -8,6 +8,8 @@ its ``nn_module_stack`` and ``stack_trace`` for regions and error messages.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -190,7 +192,8 @@ class _ShapeProp(FakeTensorProp):
 
     def call_module(self, target, args, kwargs):
         try:
-            return super().call_module(target, args, kwargs)
+            with _quiet_fake_kernels():
+                return super().call_module(target, args, kwargs)
         except Exception:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
             from torch.utils._pytree import tree_map
@@ -201,3 +204,16 @@ class _ShapeProp(FakeTensorProp):
             with unset_fake_temporarily(), torch.no_grad():
                 out = self.fetch_attr(target)(*tree_map(real, args), **tree_map(real, kwargs))
             return tree_map(lambda t: self._mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """FakeTensorMode logs a traceback for a kernel without a fake implementation (HF's
+    CPU grouped_mm on float32) before raising; the fallback above handles it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    old = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = old

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import PlanError
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info
-from fxshard.moe import around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
+from fxshard.moe import ExpertParallelSpec, around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
 
 _COLLECTIVES = {
     ep_exchange_counts: ("ep_exchange_counts", "all-to-all (tokens per expert)", "none"),
@@ -44,8 +44,8 @@ def expert_parallel(gm: fx.GraphModule) -> fx.GraphModule:
     done = set()
     for node in gm.graph.nodes:
         region = info(node).declared
-        if node.op != "call_module" or not isinstance(region, LocalRegion) or region.experts is None:
-            continue
+        if node.op != "call_module" or not isinstance(region, LocalRegion) or not isinstance(region.experts, ExpertParallelSpec):
+            continue  # routed experts (fxshard.routed_experts) need no all-to-all: their tokens are on every rank
         if node.target in done:  # a block called twice is rewritten once
             continue
         done.add(node.target)

@@ -22,6 +22,12 @@ used only inside a leaf child, or in a region that runs as is, enters that modul
 forward through ``grad_sync`` (the module's class gains a forward wrapper, see
 :func:`fxshard.moe.with_grad_sync`).
 
+Routed experts (:func:`fxshard.routed_experts`) always run as is: their own forward on
+their local weights, under ``ep`` with the routing pointed at this rank's experts
+(:func:`fxshard.routed_experts.local_experts_forward`); first the plan entry's sharding is
+checked by running one of its modules on its shards
+(:func:`fxshard.routed_experts.sharding_error`).
+
 A ``compute`` function is checked against the module's forward
 (:func:`fxshard.moe.check_compute_signature`) and the region's call is re-bound to
 its parameters.  Module-list experts (``router=``) become an
@@ -49,6 +55,7 @@ from fxshard import runtime
 from fxshard.errors import PlanError, SignatureMismatchError
 from fxshard.layout import local_shape
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
+from fxshard.routed_experts import RoutedExpertsSpec, local_experts_forward, sharding_error
 from fxshard.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
 
 from .normalize import normalize
@@ -57,6 +64,7 @@ from .outline_regions import outline
 
 def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
     """Carve every local region into a sub-GraphModule, or keep it as is (in place)."""
+    checked: set[str] = set()
     for node in list(gm.graph.nodes):
         region = info(node).declared
         if node.op != "call_module" or not isinstance(region, LocalRegion):
@@ -65,6 +73,13 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         if isinstance(module, fx.GraphModule) and module.meta.get("fxshard_region") == region.fqn:
             info(node).extra["region"] = "carved"  # a module called twice: carved at its first call
             _pass_lifted(gm, node, region, module.meta["fxshard_lifted"], axes)
+            continue
+        if isinstance(region.experts, RoutedExpertsSpec):
+            if region.pattern not in checked:  # the layers a plan entry matches are alike: check one
+                checked.add(region.pattern)
+                _check_routed_experts(node, module, region, axes)
+            _routed_experts(module, region, axes, _grad_syncs(gm, node, region))
+            info(node).extra["region"] = "as is: routed experts (their loop over the chosen experts is data-dependent)"
             continue
         forward = _forward(node, module, region)
         syncs = _grad_syncs(gm, node, region)
@@ -224,6 +239,40 @@ def _outline_experts(carved: fx.GraphModule, region: LocalRegion) -> bool:
 
     outline(carved, f"{region.fqn}.{name}", name, "Experts", order)
     return True
+
+
+def _check_routed_experts(node: fx.Node, module: nn.Module, region: LocalRegion, axes: dict[str, int]) -> None:
+    """The ranks' shares of routed experts must add up to one device's output (see
+    :func:`fxshard.routed_experts.sharding_error`): a PlanError otherwise."""
+    spec: RoutedExpertsSpec = region.experts
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    routed = len(vals) >= 3 and all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals[:3])
+    if spec.ep is not None and not routed or not all(isinstance(v, torch.Tensor) for v in vals) or node.kwargs:
+        raise PlanError(f"routed_experts on {region.fqn!r} (plan entry {region.pattern!r}): the module is called as "
+                        f"`{node.format_node()}`; routed experts take (hidden_states [N, H], top_k_index [N, k], "
+                        f"top_k_weights [N, k]) positionally (with tp= only, any tensors). Use fxshard.expert_parallel "
+                        f"for other MoE blocks")
+    why = sharding_error(module, spec, axes, vals, region.fqn)
+    if why is not None:
+        raise PlanError(f"routed_experts on {region.fqn!r} (plan entry {region.pattern!r}, {spec!r}): {why}. The plan "
+                        f"does not shard these experts the way their forward computes: check which dims of each weight "
+                        f"the axes {[a for a in (spec.ep, spec.tp) if a]} cut (tp_dims=, packed parts), or that the "
+                        f"module skips the sentinel expert num_experts as HF's experts do")
+
+
+def _routed_experts(module: nn.Module, region: LocalRegion, axes: dict[str, int], syncs: dict[str, tuple[str, ...]]) -> None:
+    """Routed experts run their own forward on their local weights; under ``ep`` it sees
+    the routing in local expert indices, and the module counts only its own experts (HF's
+    experts read ``num_experts`` and skip the sentinel index it makes)."""
+    spec: RoutedExpertsSpec = region.experts
+    n_local = spec.n_experts(module) // (axes[spec.ep] if spec.ep is not None else 1)
+    if spec.ep is not None:
+        if hasattr(module, "num_experts"):
+            module.num_experts = n_local
+        module._is_expert_parallel = True  # HF's grouped/batched kernels mask the sentinel only then
+        swap_forward(module, local_experts_forward(spec, n_local))
+    if syncs:
+        swap_forward(module, with_grad_sync({_relative(f, region.fqn): a for f, a in syncs.items()}))
 
 
 def _run_as_is(module: nn.Module, forward, syncs: dict[str, tuple[str, ...]]) -> None:

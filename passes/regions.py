@@ -139,18 +139,21 @@ def _local_region(gm, node, specs, declared_params, axes) -> LocalRegion:
     module = gm.get_submodule(fqn)
     tensors = list(module.named_parameters()) + list(module.named_buffers())
     params = {f"{fqn}.{n}": declared_params.get(f"{fqn}.{n}", complete(None, axes)) for n, _ in tensors}
-    owners = {}
-    if hasattr(spec, "region_layouts"):  # presets that read the module (fxshard.expert_parallel)
+    owners, blocks = {}, {}
+    if hasattr(spec, "region_layouts"):  # presets that read the module (expert_parallel, routed_experts)
         derived, owned = spec.region_layouts(module, fqn, axes)
         params.update({f"{fqn}.{n}": complete(lay, axes, where) for n, lay in derived.items()})
         owners = {f"{fqn}.{n}": o for n, o in owned.items()}
+    if hasattr(spec, "region_blocks"):
+        blocks = {f"{fqn}.{n}": b for n, b in spec.region_blocks(module, fqn, axes).items()}
     val = node.meta.get("val")
     names = spec.out_names or ("output",)
     if isinstance(val, (tuple, list)):
         outs = _region_outs(spec, val, where, axes)
     else:
         outs = _named_axes(_pick(spec.out_src, names[0], 0, True, axes), axes, f"{where} out_src")
-    return LocalRegion(fqn, pattern, outs, params, owners, spec.compute, spec if hasattr(spec, "region_layouts") else None, spec.style)
+    return LocalRegion(fqn, pattern, outs, params, owners, spec.compute, spec if hasattr(spec, "region_layouts") else None,
+                       spec.style, blocks)
 
 
 def _region_outs(spec, val, where: str, axes) -> tuple[dict, ...]:

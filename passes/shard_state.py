@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Shard
 
-from fxshard.layout import is_replicate
+from fxshard.layout import blocks_on, is_replicate
 from fxshard.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
@@ -44,7 +44,8 @@ def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | N
         t = lm.rank_map(lambda r, t=t: t.clone())  # per-rank copies, then per-rank slices
     for axis, p in layout.items():
         if isinstance(p, Shard):
-            parts = t.split(list(blocks), p.dim) if blocks else (t,)
+            sizes = blocks_on(blocks, p.dim)
+            parts = t.split(list(sizes), p.dim) if sizes else (t,)
             pieces = []
             for part in parts:
                 n = part.shape[p.dim] // axes[axis]
@@ -65,6 +66,7 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
                 blocks[node.target] = v.blocks
         elif node.op == "call_module" and isinstance(info(node).declared, LocalRegion):
             layouts.update(_local_region_state(gm, info(node).declared, mesh))
+            blocks.update(info(node).declared.blocks)
     lm = enabled_local_tensor_mode()
     replaced: dict[int, torch.Tensor] = {}
     names = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]

@@ -97,13 +97,19 @@ def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_
     Axes in mesh order (outer first), ``Shard(d)`` takes chunk ``coord[axis]`` of dim
     ``d``; ``Replicate`` keeps the tensor.  ``Partial`` has no slice: ValueError.
     ``blocks``: part sizes of a fused parameter (``colwise(splits=...)``): each part of
-    the sharded dim is chunked on its own.  ``balanced``: load-balanced context-parallel
+    the sharded dim is chunked on its own; a ``DimBlocks`` names the one dim they cut.  ``balanced``: load-balanced context-parallel
     axes, where ``Shard(d)`` takes chunks ``i`` and ``2n-1-i`` of ``2n``.
     """
+    packed_dim = None
+    if blocks is not None and hasattr(blocks, "sizes"):  # DimBlocks: the parts of one dim (HF's fused experts)
+        packed_dim, blocks = blocks.dim, tuple(blocks.sizes)
     for axis, size in mesh_shape.items():
         p = (layout or {}).get(axis, Replicate())
         if isinstance(p, Shard):
             d = p.dim % t.dim()
+            if packed_dim is not None and d != packed_dim:
+                t = t.narrow(d, coord[axis] * (t.shape[d] // size), t.shape[d] // size)
+                continue
             parts = t.split(list(blocks), d) if blocks else (t,)
             pieces = []
             for part in parts:

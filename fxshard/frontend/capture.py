@@ -41,6 +41,7 @@ from torch.export import Dim
 from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
+from fxshard.frontend.opaque_regions import opaque_local_regions, restore_local_region_calls
 from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
 from fxshard.module_state import add_missing_state, named_state
 from fxshard.passes.cleanup import mutates
@@ -77,8 +78,8 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
         # given only if the model cannot run on the grown ones.
         grown = (_grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()})
         attempts = [(*grown, dynamic_shapes), (args, kwargs, dynamic_shapes)]
-    with _boundary_hooks(model, plan), _training_config(model), causal_attention_as_sdpa_flag(model, plan, kwargs), \
-            torch.fx.experimental._config.patch(use_duck_shape=False):
+    with _boundary_hooks(model, plan), opaque_local_regions(model, plan) as region_calls, _training_config(model), \
+            causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False):
         for i, (a, kw, dyn) in enumerate(attempts):
             try:
                 ep = torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn)
@@ -93,6 +94,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
                                 f"{_first_line(e)}{hint}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
                                 f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
     gm = ep.module()
+    restore_local_region_calls(gm, model, region_calls)
     _every_fqn(gm, model)
     _drop_guards(gm)
     _inline_no_grad_blocks(gm)
@@ -220,11 +222,7 @@ def _boundary_hooks(model: nn.Module, plan):
                 if hit is None:
                     continue
                 pattern, spec = hit
-                if spec.local:
-                    raise PlanError(f"plan entry {pattern!r}: module {fqn!r} is a local region (ModuleSpec(local=True)), "
-                                    f"which needs a model torch.fx.symbolic_trace can trace; this model was captured with "
-                                    f"torch.export. Fix: declare its parameters without local=True, or make the model fx-traceable")
-                if spec.declares_boundary():
+                if spec.declares_boundary() and not spec.local:  # a local region's call is marked by normalize
                     handles.append(module.register_forward_pre_hook(_mark_inputs(fqn), with_kwargs=True))
                     handles.append(module.register_forward_hook(_mark_outputs(fqn, spec.out_names), with_kwargs=True))
         yield
@@ -293,7 +291,12 @@ def _inline_no_grad_blocks(gm: fx.GraphModule) -> None:
             outs = graph.graph_copy(sub.graph, dict(zip(placeholders, node.args[2:])))
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             detached = []
+            inputs = [a for a in node.args[2:] if isinstance(a, fx.Node)]
             for o in outs:  # tensors leave detached; sizes (``min(k, x.shape[-1])``) as they are
+                same = _same_tensor_as(o, inputs)
+                if same is not None:  # the input handed back (``x.to(x.dtype)`` is x): in eager it keeps its
+                    detached.append(same)  # gradient, and export routes later uses of x through here (Dots-3)
+                    continue
                 tensor = isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
                 d = graph.call_method("detach", (o,)) if tensor else o
                 if tensor:
@@ -309,6 +312,22 @@ def _inline_no_grad_blocks(gm: fx.GraphModule) -> None:
             if not submod_attr.users:
                 graph.erase_node(submod_attr)
     gm.delete_all_unused_submodules()
+
+
+def _same_tensor_as(out, inputs: list[fx.Node]) -> fx.Node | None:
+    """The input that ``out`` *is*: the input itself, or a ``.to`` / ``.contiguous`` of it
+    that changes nothing (eager returns ``self`` then), not a copy or a view."""
+    aten = torch.ops.aten
+    returns_self = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.contiguous.default)
+    while isinstance(out, fx.Node) and out not in inputs:
+        if not (out.op == "call_function" and out.target in returns_self and isinstance(out.args[0], fx.Node)):
+            return None
+        a, b = out.meta.get("val"), out.args[0].meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.device == b.device
+                and a.shape == b.shape and a.stride() == b.stride()):
+            return None
+        out = out.args[0]
+    return out if isinstance(out, fx.Node) else None
 
 
 def _markers_from_boundaries(gm: fx.GraphModule) -> None:

@@ -33,11 +33,26 @@ HF style                            fxshard spec
                                     propagation derives (a replicated value used with
                                     head-sharded ones; today's rules refuse that mix at
                                     MLA's ``cat``/``copy_`` with a PlanError)
-MoE: ``moe_tp_experts``,            ``PlanError``: expert parallelism, not supported by
-``moe_identity_expert``,            ``Plan.from_hf`` yet
-``packed_rowwise``, ``grouped_gemm``,
-``ep_*``, any style on a 3-D param
+``moe_tp_experts`` (tp plan)        ``routed_experts(tp=axis, tp_dims=...)``: each expert
+                                    sharded like a SwiGLU MLP; its weights' entries
+                                    (``packed_colwise`` / ``rowwise`` / ``packed_rowwise``
+                                    / ``colwise`` on 3-D ``[E, out, in]`` weights) give
+                                    the dims: colwise cuts dim 1, rowwise dim 2, packed
+                                    ones part by part
+``ep_dispatch_experts`` (ep plan),  ``routed_experts(ep=ep_axis)``: the experts split
+``grouped_gemm`` on its weights     over ``ep`` (weights ``Shard(0)``); with both plans
+                                    on the mesh, ``routed_experts(ep=..., tp=...)``
+``moe_identity_expert``, ``ep_*``   ``PlanError``
+other MoE styles, a style on a
+3-D param outside an experts entry
 ==================================  ==================================================
+
+The expert-parallel plan (``model.ep_plan``: ``config.base_model_ep_plan`` under the
+base model's prefix) is read when the mesh has the axis ``ep_axis``; the tensor-parallel
+plan when it has ``axis``.  On an ``("ep",)`` mesh only the experts are sharded; on
+``("ep", "tp")`` both.  Tokens stay replicated over ``ep`` (HF's EP does the same): every
+rank routes every token, its experts compute their share, and one all-reduce per MoE
+layer sums the shares (see :mod:`fxshard.routed_experts`).
 
 A key may also name a *parameter* (``"layers.*.self_attn.sinks": "colwise"``): HF then
 applies only the style's parameter placement (``Shard(ndim - 2)`` for colwise,
@@ -74,11 +89,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..errors import PlanError
 from ..mesh import Mesh, mesh_shape
+from ..routed_experts import HF_TP_DIMS, RoutedExpertsSpec, routed_experts, sharding_error
 from ..plan import ModuleSpec, Plan, _for_module_type, _is_conv1d, _pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
 
 # HF's style names, by family (transformers 5.23 registers these in ALL_PARALLEL_STYLES)
@@ -88,6 +105,7 @@ EMBEDDING = ("embedding_rowwise", "embedding_colwise")
 UNSHARDED = ("replicated_with_grad_allreduce", "local_params", "replicate", "mla_kv_a_proj")
 OTHER = ("sequence_parallel", "all_reduce")
 MOE = ("moe_tp_experts", "moe_identity_expert", "packed_rowwise", "grouped_gemm", "ep_dispatch_experts")
+EXPERTS_STYLES = ("moe_tp_experts", "ep_dispatch_experts")  # a routed-experts module (fxshard.routed_experts)
 KNOWN_STYLES = COLWISE + ROWWISE + EMBEDDING + OTHER + UNSHARDED + MOE
 
 # fxshard's plans for families HF ships none for: {model_type: (base model plan, head plan)}
@@ -106,10 +124,11 @@ FXSHARD_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False,
+def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", sequence_parallel: bool = False,
                  loss_parallel: bool = False) -> Plan:
-    """The tensor-parallel plan of transformers model ``model`` as an fxshard Plan on
-    ``mesh``, HF's TP mesh played by ``axis`` (module docstring: the mapping).
+    """The parallel plans of transformers model ``model`` as an fxshard Plan on
+    ``mesh``: HF's tensor-parallel plan on the mesh axis ``axis`` and its expert-parallel
+    plan on ``ep_axis``, each where the mesh has that axis (module docstring: the mapping).
 
     Example::
 
@@ -117,18 +136,69 @@ def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", sequence_par
         plan = plan_from_hf(fxshard.MeshSpec(("tp",), (2,)), model)
         plan.specs["model.layers.*.self_attn.q_proj"]   # ModuleSpec(style='colwise', ...)
         plan.specs["lm_head"].out_dst                   # {'tp': Replicate()}
+
+        moe = transformers.MixtralForCausalLM(MixtralConfig(...))
+        plan_from_hf(fxshard.MeshSpec(("ep", "tp"), (2, 2)), moe).specs["model.layers.*.mlp.experts"]
+        # routed_experts(ep='ep', tp='tp', ...)
     """
     axes = mesh_shape(mesh)
-    if axis not in axes:
-        raise PlanError(f"Plan.from_hf: axis {axis!r} is not on the mesh {dict(axes)}; pass axis= the mesh axis for HF's tp")
+    if axis not in axes and ep_axis not in axes:
+        raise PlanError(f"Plan.from_hf: neither axis {axis!r} (HF's tp plan) nor {ep_axis!r} (its ep plan) is on the mesh "
+                        f"{dict(axes)}; pass axis= / ep_axis= the mesh axes that play them")
+    if (sequence_parallel or loss_parallel) and axis not in axes:
+        raise PlanError(f"Plan.from_hf(sequence_parallel=/loss_parallel=True) shard on the tensor axis {axis!r}, which is "
+                        f"not on the mesh {dict(axes)}; pass axis= the mesh axis for HF's tp")
     modules = dict(model.named_modules())
-    specs = _convert(hf_tp_plan(model), modules, dict(model.named_parameters(remove_duplicate=False)), axis)
-    specs = _tie_embeddings(specs, model, modules, axis)
-    if sequence_parallel:
-        specs = _sequence_parallel(specs, model, modules, axis)
-    if loss_parallel:
-        specs = _loss_parallel(specs, model, modules, axis)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    specs: dict[str, ModuleSpec] = {}
+    if axis in axes:
+        specs = _convert(hf_tp_plan(model), modules, params, axis)
+        specs = _tie_embeddings(specs, model, modules, axis)
+        if sequence_parallel:
+            specs = _sequence_parallel(specs, model, modules, axis)
+        if loss_parallel:
+            specs = _loss_parallel(specs, model, modules, axis)
+    if ep_axis in axes:
+        ep_plan = hf_ep_plan(model)
+        if not ep_plan:
+            raise PlanError(f"Plan.from_hf: the mesh has the expert axis {ep_axis!r}, but {type(model).__name__} ships no "
+                            f"expert-parallel plan (config.base_model_ep_plan is empty); use a mesh without {ep_axis!r}, "
+                            f"or write the experts' entry: fxshard.routed_experts(ep={ep_axis!r})")
+        specs = _merge_experts(specs, _convert(ep_plan, modules, params, ep_axis, experts_axis="ep"))
     return Plan(mesh, _in_module_order(specs, list(modules)))
+
+
+def hf_ep_plan(model: nn.Module) -> dict[str, Any]:
+    """HF's expert-parallel plan for ``model``: ``{absolute FQN pattern: style}``
+    (``model.ep_plan`` when HF resolved it, else ``config.base_model_ep_plan`` under
+    the base model's prefix).
+
+    Example::
+
+        hf_ep_plan(MixtralForCausalLM(config))["model.layers.*.mlp.experts"]   # 'ep_dispatch_experts'
+    """
+    resolved = getattr(model, "ep_plan", None)
+    if isinstance(resolved, Mapping) and resolved:
+        return dict(resolved)
+    base_plan = dict(getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {})
+    _, prefix = _base_model(model)
+    return {prefix + k: v for k, v in base_plan.items()}
+
+
+def _merge_experts(specs: dict[str, ModuleSpec], ep_specs: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
+    """The tp plan's entries with the ep plan's: routed experts named by both are split
+    over ``ep`` and sharded on ``tp``; any other entry named by both is an error."""
+    out = dict(specs)
+    for pattern, spec in ep_specs.items():
+        old = out.get(pattern)
+        if old is None:
+            out[pattern] = spec
+        elif isinstance(old, RoutedExpertsSpec) and isinstance(spec, RoutedExpertsSpec):
+            out[pattern] = routed_experts(ep=spec.ep, tp=old.tp, tp_dims=old.tp_dims)
+        else:
+            raise PlanError(f"Plan.from_hf: {pattern!r} is {old.style} in HF's tp plan and {spec.style} in its ep plan; "
+                            f"fxshard can combine the two only on routed experts. Write this entry by hand")
+    return out
 
 
 # ----------------------------------------------------------------------------- HF's plan
@@ -269,9 +339,9 @@ def _is_moe_style(style: str) -> bool:
 
 def _moe_error(pattern: str, style: str, why: str = "") -> PlanError:
     return PlanError(
-        f"HF plan entry {pattern!r} (style {style!r}){': ' + why if why else ''}: MoE styles belong to expert "
-        f"parallelism, which Plan.from_hf does not support yet; write the plan by hand with fxshard.expert_parallel "
-        f"for the experts")
+        f"HF plan entry {pattern!r} (style {style!r}){': ' + why if why else ''}: fxshard imports MoE styles only as "
+        f"routed experts (an experts module with moe_tp_experts / ep_dispatch_experts and its weights' entries); write "
+        f"this entry by hand, e.g. fxshard.routed_experts(ep='ep') on the experts module")
 
 
 def param_layout(style: str, param, name: str, pattern: str = "<pattern>") -> Placement:
@@ -301,11 +371,24 @@ def param_layout(style: str, param, name: str, pattern: str = "<pattern>") -> Pl
 # ----------------------------------------------------------------------------- conversion
 
 
-def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: dict, axis: str) -> dict[str, ModuleSpec]:
+def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: dict, axis: str,
+             experts_axis: str = "tp") -> dict[str, ModuleSpec]:
     """One spec per HF entry that matches modules of this model; entries naming
-    parameters go into their module's ``params``; entries matching nothing are dropped."""
+    parameters go into their module's ``params``; entries matching nothing are dropped.
+    Routed experts (``moe_tp_experts`` / ``ep_dispatch_experts``) take their weights'
+    entries along; ``experts_axis`` says which of their axes ``axis`` plays."""
     specs: dict[str, ModuleSpec] = {}
     param_entries: dict[str, dict[str, tuple[str, Placement]]] = {}
+    entries = dict(entries)
+    for pattern in [p for p, e in entries.items() if e in EXPERTS_STYLES]:
+        weights = {p[len(pattern) + 1:]: entries.pop(p) for p in list(entries)
+                   if p.startswith(pattern + ".") and "." not in p[len(pattern) + 1:]}
+        rx = _pattern_regex(pattern)
+        hits = [m for fqn, m in modules.items() if rx.match(fqn)]
+        if hits:
+            specs[pattern] = _routed_experts(pattern, entries.pop(pattern), weights, hits, axis, experts_axis)
+        else:
+            entries.pop(pattern)
     for pattern, entry in entries.items():
         style, parts = (entry, 2) if isinstance(entry, str) else entry
         _check_known(style, pattern)  # also for entries this model has no module for: a typo is an error
@@ -328,6 +411,66 @@ def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: 
         spec = specs.get(owner) or ModuleSpec(style=next(iter(named.values()))[0])
         specs[owner] = replace(spec, params={**spec.params, **layouts})
     return specs
+
+
+def _routed_experts(pattern: str, style: str, weights: dict[str, str], hits: list[nn.Module], axis: str,
+                    experts_axis: str) -> ModuleSpec:
+    """``routed_experts`` for an HF experts entry and the entries of its weights."""
+    where = f"HF plan entry {pattern!r} (style {style!r})"
+    if style == "ep_dispatch_experts" and not any(p.ndim >= 2 for p in hits[0].parameters(recurse=False)):
+        raise PlanError(f"{where}: {type(hits[0]).__name__} has no stacked expert weights ([num_experts, ...]); "
+                        f"ep_dispatch_experts splits routed experts. Fix the entry, or write this module's spec by hand")
+    if style == "ep_dispatch_experts":
+        bad = {n: w for n, w in weights.items() if w != "grouped_gemm"}
+        if bad:
+            raise PlanError(f"{where}: its weights' entries {bad} are not grouped_gemm (Shard(0) of the experts); write "
+                            f"fxshard.routed_experts(ep={axis!r}) for it by hand")
+        return routed_experts(ep=axis)
+    if experts_axis != "tp":
+        raise PlanError(f"{where}: an expert-parallel plan names moe_tp_experts; use ep_dispatch_experts there")
+    module = hits[0]
+    if not any(p.ndim >= 3 for p in module.parameters(recurse=False)):
+        raise PlanError(f"{where}: {type(module).__name__} has no stacked expert weights ([num_experts, ...]); "
+                        f"moe_tp_experts shards routed experts. Fix the entry, or write this module's spec by hand")
+    dims = {}
+    for name, w in weights.items():
+        t = getattr(module, name, None)
+        if not isinstance(t, torch.Tensor) or t.ndim != 3:
+            raise PlanError(f"{where}: entry {pattern}.{name} ({w!r}) names no 3-D expert weight of "
+                            f"{type(module).__name__}; fix the entry, or write fxshard.routed_experts(tp={axis!r}, "
+                            f"tp_dims=...) by hand")
+        family = w.removeprefix("packed_")
+        if family not in ("colwise", "rowwise"):
+            raise PlanError(f"{where}: expert weight {name!r} has style {w!r}; fxshard knows colwise, rowwise and their "
+                            f"packed forms there")
+        dims[name] = (1 if family == "colwise" else 2, 2 if w.startswith("packed_") else 1)
+    spec = routed_experts(tp=axis, tp_dims=dims or None)
+    return _checked_experts(spec, module, axis, pattern)
+
+
+def _checked_experts(spec: RoutedExpertsSpec, module: nn.Module, axis: str, pattern: str) -> RoutedExpertsSpec:
+    """HF's plan as written when it shards the experts right; else the packed reading of
+    a fused ``gate_up`` weight that HF's plan names plain ``colwise`` (Inkling-2: a
+    contiguous split would give one rank all of gate and the other all of up), if that
+    one is right.  Checked by running the module (``routed_experts.sharding_error``)."""
+    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return spec  # transform checks it on the graph's shapes
+    axes = {axis: 2}
+    example = [torch.zeros(8, hidden), torch.zeros(8, 2, dtype=torch.long), torch.zeros(8, 2)]  # the routed call's shapes
+    try:
+        if sharding_error(module, spec, axes, example) is None:
+            return spec
+    except PlanError:  # a width 2 does not divide: transform checks it at the mesh's size
+        return spec
+    dims = dict(spec.tp_dims or HF_TP_DIMS)
+    packed = {n: (d, 2) for n, (d, parts) in dims.items() if parts == 1 and "gate_up" in n}
+    if packed:
+        fixed = routed_experts(tp=axis, tp_dims={**dims, **packed})
+        if sharding_error(module, fixed, axes, example) is None:
+            return replace(fixed, style=f"moe_tp_experts ({', '.join(packed)} packed gate | up: HF's colwise would "
+                                        f"split gate from up)")
+    return spec  # wrong as HF wrote it: transform refuses it with the check's finding
 
 
 def _one_spec(pattern: str, built: list[ModuleSpec]) -> ModuleSpec:

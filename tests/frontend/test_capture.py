@@ -86,6 +86,36 @@ def test_no_grad_block_is_inlined():
     assert torch.is_grad_enabled()
 
 
+class NoGradHandsBack(nn.Module):
+    """Dots-3's indexer: a no-grad block reads ``h.to(torch.float32)``, which *is* ``h``
+    (already float32), and export routes the later use of ``h`` through the block's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(8, 16, bias=False)
+        self.w2 = nn.Linear(16, 8, bias=False)
+
+    @torch.no_grad()
+    def pick(self, h):
+        h = h.to(torch.float32)
+        return h.sum(-1).argmax(-1), h
+
+    def forward(self, x):
+        h = self.w1(x)
+        idx, _ = self.pick(h)
+        return self.w2(h).sum(-1).gather(-1, idx[..., None])
+
+
+def test_a_no_grad_block_handing_its_input_back_keeps_its_gradient():
+    model, x = NoGradHandsBack(), torch.randn(2, 8, 8)
+    gm = fxshard.trace(model, None, example_kwargs={"x": x}, capture="export")
+    gm(x=x).sum().backward()
+    want = {n: p.grad for n, p in gm.named_parameters()}
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(want[n], p.grad, msg=n)
+
+
 def test_input_model_and_grad_mode_untouched():
     model = Block()
     before = {k: v.clone() for k, v in model.state_dict().items()}

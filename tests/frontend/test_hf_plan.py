@@ -1,6 +1,6 @@
 """Plan.from_hf: the TP plans transformers models ship (config.base_model_tp_plan, the
 head's _tp_plan), as fxshard specs; GPT-2's, which HF lacks, from fxshard; ties, sequence
-and loss parallelism on top; MoE and unknown styles refused."""
+and loss parallelism on top; routed experts from the tp and ep plans; unknown styles refused."""
 from __future__ import annotations
 
 import importlib
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, rowwise, sequence_parallel, vocab_parallel
+from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, routed_experts, rowwise, sequence_parallel, vocab_parallel
 from fxshard.frontend.hf_plan import KNOWN_STYLES, hf_tp_plan, param_layout, plan_from_hf, style_spec
 from fxshard.plan import _for_module_type
 
@@ -320,7 +320,7 @@ def test_param_layouts():
     assert param_layout("rowwise", weight, "weight") == Shard(1)
     assert param_layout("rowwise", bias, "bias") == R
     assert param_layout("replicated_with_grad_allreduce", bias, "weight") == R
-    with pytest.raises(PlanError, match="expert parallelism"):
+    with pytest.raises(PlanError, match="only as routed experts"):
         param_layout("rowwise", torch.zeros(2, 8, 4), "down_proj", "layers.*.mlp.experts.down_proj")
 
 
@@ -332,16 +332,18 @@ def test_unknown_style_is_a_plan_error(monkeypatch):
         Plan.from_hf(TP2, model)
 
 
-def test_moe_style_is_a_plan_error(monkeypatch):
+def test_moe_style_on_a_dense_module_is_a_plan_error(monkeypatch):
     plan = dict(transformers.LlamaConfig.base_model_tp_plan, **{"layers.*.mlp": "moe_tp_experts"})
     monkeypatch.setattr(transformers.LlamaConfig, "base_model_tp_plan", plan)
-    with pytest.raises(PlanError, match=r"'model.layers.\*.mlp' \(style 'moe_tp_experts'\).*expert parallelism.*not support"):
+    with pytest.raises(PlanError, match=r"'model.layers.\*.mlp' \(style 'moe_tp_experts'\).*LlamaMLP has no stacked expert"):
         Plan.from_hf(TP2, build("LlamaConfig", "LlamaForCausalLM"))
 
 
-def test_mixtral_experts_are_refused():
+def test_moe_identity_expert_is_a_plan_error(monkeypatch):
+    plan = dict(transformers.MixtralConfig.base_model_tp_plan, **{"layers.*.mlp.gate": "moe_identity_expert"})
+    monkeypatch.setattr(transformers.MixtralConfig, "base_model_tp_plan", plan)
     model = build("MixtralConfig", "MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=1)
-    with pytest.raises(PlanError, match=r"experts.gate_up_proj' \(style 'packed_colwise'\).*3-D.*expert parallelism"):
+    with pytest.raises(PlanError, match=r"'model.layers.\*.mlp.gate' \(style 'moe_identity_expert'\).*routed experts"):
         Plan.from_hf(TP2, model)
 
 
@@ -369,7 +371,7 @@ def test_no_plan_is_a_plan_error():
 
 
 def test_axis_must_be_on_the_mesh(llama):
-    with pytest.raises(PlanError, match=r"axis 'tp' is not on the mesh \{'mp': 2\}"):
+    with pytest.raises(PlanError, match=r"neither axis 'tp' \(HF's tp plan\) nor 'ep' \(its ep plan\) is on the mesh \{'mp': 2\}"):
         Plan.from_hf(MeshSpec(("mp",), (2,)), llama)
     assert Plan.from_hf(MeshSpec(("dp", "mp"), (2, 2)), llama, axis="mp").specs["lm_head"].out_dst == {"mp": R}
 
@@ -439,7 +441,7 @@ def test_every_style_in_installed_configs_is_mapped_or_refused():
             try:
                 spec = style_spec(style, module=_stand_in(style), pattern=pattern)
             except PlanError as e:
-                assert "expert parallelism" in str(e), (cls.__name__, pattern, style, e)  # only MoE is refused
+                assert "routed experts" in str(e), (cls.__name__, pattern, style, e)  # only MoE is refused here
             else:
                 assert isinstance(spec, ModuleSpec) and spec.style == style
     assert {"colwise", "rowwise", "moe_tp_experts", "packed_colwise"} <= seen
@@ -451,3 +453,51 @@ def test_every_registered_style_is_known():
 
     registered = set(ALL_PARALLEL_STYLES.keys())
     assert {"colwise", "grouped_gemm"} <= registered <= set(KNOWN_STYLES)
+
+
+# ----------------------------------------------------------------------------- routed experts (MoE)
+
+EXPERTS = "model.layers.*.mlp.experts"
+HF_DIMS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+
+
+def mixtral():
+    return build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+
+
+def test_mixtral_experts_are_routed_experts_on_tp():
+    """HF's moe_tp_experts with packed_colwise gate_up / rowwise down: each expert sharded
+    like a SwiGLU MLP; the router (mlp.gate) stays replicated."""
+    specs = Plan.from_hf(TP2, mixtral()).specs
+    assert specs[EXPERTS] == routed_experts(tp="tp", tp_dims=HF_DIMS)
+    assert not any(k.endswith("mlp.gate") for k in specs)
+
+
+def test_an_ep_mesh_reads_the_ep_plan_only():
+    plan = Plan.from_hf(MeshSpec(("ep",), (2,)), mixtral())
+    assert plan.specs == {EXPERTS: routed_experts(ep="ep")}
+
+
+def test_an_ep_tp_mesh_reads_both_plans():
+    specs = Plan.from_hf(MeshSpec(("ep", "tp"), (2, 2)), mixtral()).specs
+    assert specs[EXPERTS] == routed_experts(ep="ep", tp="tp", tp_dims=HF_DIMS)
+    assert specs["model.layers.*.self_attn.q_proj"] == hf(colwise("tp"), "colwise")
+
+
+def test_ep_mesh_without_an_ep_plan_is_a_plan_error():
+    with pytest.raises(PlanError, match=r"axis 'ep'.*LlamaForCausalLM ships no expert-parallel plan.*routed_experts"):
+        Plan.from_hf(MeshSpec(("ep",), (2,)), build("LlamaConfig", "LlamaForCausalLM"))
+    with pytest.raises(PlanError, match=r"neither axis 'tp'.*nor 'ep'"):
+        Plan.from_hf(MeshSpec(("dp",), (2,)), mixtral())
+
+
+def test_a_packed_gate_up_that_hf_calls_colwise_is_read_packed():
+    """Inkling-2's plan names its fused gate | up weight plain colwise: a contiguous split
+    would hand one rank all of gate and the other all of up.  Running the experts on their
+    shards tells, and the importer takes the packed reading."""
+    from fxshard.testing.hf_tiny import tiny_model
+
+    model = tiny_model("inkling2_text")
+    assert model.tp_plan["model.layers.*.mlp.experts.gate_up_proj"] == "colwise"
+    spec = Plan.from_hf(TP2, model).specs[EXPERTS]
+    assert spec == routed_experts(tp="tp", tp_dims=HF_DIMS) and "split gate from up" in spec.style

@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from . import runtime
 from .errors import PlanError
@@ -62,9 +62,12 @@ class RoutedExpertsSpec(ModuleSpec):
     ep: str | None = None
     tp: str | None = None
     tp_dims: Mapping[str, tuple[int, int]] | None = None
+    tokens: Placement = Replicate()
 
     def __repr__(self) -> str:
         parts = [f"{k}={getattr(self, k)!r}" for k in ("ep", "tp") if getattr(self, k)]
+        if self.tokens != Replicate():
+            parts.append(f"tokens={self.tokens!r}")
         if self.tp_dims is not None:
             parts.append(f"tp_dims={dict(self.tp_dims)!r}")
         return f"routed_experts({', '.join(parts)})"
@@ -144,13 +147,17 @@ def _stacked(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if b.dim() > 0]
 
 
-def routed_experts(ep: str | None = None, tp: str | None = None, *,
+def routed_experts(ep: str | None = None, tp: str | None = None, *, tokens: Placement = Replicate(),
                    tp_dims: Mapping[str, tuple[int, int]] | None = None) -> RoutedExpertsSpec:
     """Shard routed experts (HF's ``experts(hidden, top_k_index, top_k_weights)``) over
     an expert axis ``ep``, a tensor axis ``tp``, or both (see :mod:`fxshard.routed_experts`).
 
     ``tp_dims``: ``{weight name: (dim, parts)}``, the dim of each stacked weight that
     ``tp`` shards and how many packed parts it holds (default :data:`HF_TP_DIMS`).
+    ``tokens``: how the tokens are laid out over ``ep`` around the experts.  ``Replicate()``
+    (HF's EP): one all-reduce of the output.  ``Shard(0)``, for a batch sharded over ``ep``
+    (``inputs={"input_ids": {"ep": Shard(0)}}``): the tokens and routing are all-gathered on
+    entry and the output reduce-scattered back to each rank's own tokens.
 
     Example::
 
@@ -162,14 +169,17 @@ def routed_experts(ep: str | None = None, tp: str | None = None, *,
                         "expert (tp=), or both")
     if ep is not None and ep == tp:
         raise PlanError(f"routed_experts(ep={ep!r}, tp={tp!r}): the expert axis and the tensor axis must differ")
+    if tokens != Replicate() and (ep is None or tokens != Shard(0)):
+        raise PlanError(f"routed_experts(tokens={tokens!r}): the tokens around the experts are Replicate() or, with "
+                        f"ep=, Shard(0) over ep (a batch sharded over ep)")
     axes = [a for a in (ep, tp) if a is not None]
     return RoutedExpertsSpec(
         inputs=tuple({a: Replicate() for a in axes} for _ in range(3)),
         out_src={a: Partial() for a in axes},
-        out_dst={a: Replicate() for a in axes},
+        out_dst={a: tokens if a == ep else Replicate() for a in axes},
         local=True,
         style="routed_experts",
-        ep=ep, tp=tp, tp_dims=dict(tp_dims) if tp_dims is not None else None,
+        ep=ep, tp=tp, tp_dims=dict(tp_dims) if tp_dims is not None else None, tokens=tokens,
     )
 
 

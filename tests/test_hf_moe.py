@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 pytest.importorskip("transformers")
 
@@ -63,6 +64,21 @@ def test_hf_moe_simulated(family, mesh_shape):
                               mesh_shape, **CHECK)
     calls = [n for n in sharded.graph.nodes if n.op == "call_module" and n.target.endswith("mlp.experts")]
     assert calls, "the experts are one call each, run on local tensors"
+
+
+def _batch_sharded_plan(mesh):
+    return fxshard.Plan(mesh, {"model.layers.*.mlp.experts": fxshard.routed_experts(ep="ep", tokens=Shard(0))},
+                        inputs={"input_ids": {"ep": Shard(0)}})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_batch_sharded_over_ep(family):
+    """Each ep rank holds its own sequences (attention, mask and positions of its batch);
+    the experts all-gather the tokens and routing and reduce-scatter their shares back."""
+    sharded = check_simulated(functools.partial(moe_model, family), _batch_sharded_plan, (), {"ep": 2},
+                              kwargs={"input_ids": IDS}, select=logits)
+    kinds = {r.kind for r in fxshard.comm_summary(sharded).rows if r.phase == "forward"}
+    assert kinds == {"all_gather", "reduce_scatter"}, kinds
 
 
 def test_zero_token_experts():

@@ -104,6 +104,8 @@ def test_wrong_uses_name_the_module_and_leave_the_model_alone():
         routed_experts()
     with pytest.raises(PlanError, match="must differ"):
         routed_experts(ep="x", tp="x")
+    with pytest.raises(PlanError, match=r"tokens=Shard\(dim=0\).*with ep="):
+        routed_experts(tp="tp", tokens=Shard(0))
     block = Block(interleaved=True)
     before = {k: v.clone() for k, v in block.state_dict().items()}
     with pytest.raises(PlanError, match=r"routed_experts on 'experts'.*add up to.*tp_dims="):

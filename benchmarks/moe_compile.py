@@ -25,7 +25,6 @@ from common import ROOT, describe_machine, write_json  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import make_mesh, spawn  # noqa: E402
 
-import torch  # noqa: E402
 
 MESHES = {"ep2": {"ep": 2}, "tp2": {"tp": 2}}
 

@@ -136,11 +136,11 @@ class ExpertParallelSpec(ModuleSpec):
         """``({relative param name: layout}, {relative child name: (axis, index)})``:
         grouped expert weights are ``Shard(0)``; module-list experts are owned by one rank."""
         where = f"expert_parallel on module {fqn!r}"
-        experts = getattr(module, self.experts, None)
+        experts = _submodule(module, self.experts)
         if not isinstance(experts, nn.Module):
-            children = [n for n, _ in module.named_children()]
-            raise PlanError(f"{where}: the module has no child {self.experts!r} (its children are {children}); "
-                            f"pass experts= the name of its experts module")
+            children = [n for n, _ in module.named_modules() if n]
+            raise PlanError(f"{where}: the module has no submodule {self.experts!r} (it has {children[:8]}); "
+                            f"pass experts= the (dotted) name of its experts module")
         n = axes[self.axis]
         if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
             return {}, self._list_owners(module, experts, n, where)
@@ -175,7 +175,7 @@ class ExpertParallelSpec(ModuleSpec):
         return {f"{self.experts}.{name}": {self.axis: Shard(0)} for name, _ in tensors}
 
     def n_experts(self, module: nn.Module) -> int:
-        experts = getattr(module, self.experts)
+        experts = module.get_submodule(self.experts)
         if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
             return len(experts)
         return next(iter(experts.parameters())).shape[0]
@@ -216,6 +216,15 @@ def expert_parallel(axis: str = "ep", *, experts: str = "experts", inputs: Place
         router=router,
         gate=gate,
     )
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """``module``'s descendant at the dotted ``name`` (torchtitan nests its grouped
+    experts: ``routed_experts.inner_experts``), ``None`` if there is none."""
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 # --------------------------------------------------------------------------- module-list experts

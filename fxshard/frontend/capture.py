@@ -97,7 +97,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     restore_local_region_calls(gm, model, region_calls)
     _every_fqn(gm, model)
     _drop_guards(gm)
-    _inline_no_grad_blocks(gm)
+    _inline_blocks(gm)
     _markers_from_boundaries(gm)
     translate_aten(gm)
     _devices_from_inputs(gm, model, args, kwargs)
@@ -273,45 +273,92 @@ def _drop_guards(gm: fx.GraphModule) -> None:
         delattr(gm, "_guards_fn")
 
 
+def _inline_blocks(gm: fx.GraphModule) -> None:
+    """Export records ``with torch.no_grad():`` and ``with torch.autocast(...):`` blocks
+    as higher-order ops around submodules, opaque to layout rules.  Those that change
+    nothing but gradients or nothing at all are inlined (:func:`_inline_no_grad_blocks`,
+    :func:`_inline_inert_autocast_blocks`), innermost first: torchtitan's router asks
+    for float32 autocast inside code that can end up in a no-grad block."""
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            _inline_blocks(child)
+            child.recompile()
+    _inline_inert_autocast_blocks(gm)
+    _inline_no_grad_blocks(gm)
+    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    for name, child in list(gm.named_children()):
+        # (not ``delete_all_unused_submodules``: it would also delete the bodies nested in a kept block)
+        if isinstance(child, fx.GraphModule) and name not in used:
+            delattr(gm, name)
+
+
 def _inline_no_grad_blocks(gm: fx.GraphModule) -> None:
-    """A ``with torch.no_grad():`` block is exported as a higher-order op around a
-    submodule, opaque to layout rules (HF's rotary embeddings are one).  Inlined, with
-    every output detached, it computes the same values and passes no gradient, as
-    before, and its ops get layouts like any other."""
-    graph = gm.graph
+    """A ``with torch.no_grad():`` block (HF's rotary embeddings are one) inlined, with
+    every output detached, computes the same values and passes no gradient, as before,
+    and its ops get layouts like any other."""
     hop = torch.ops.higher_order.wrap_with_set_grad_enabled
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is hop and node.args[0] is False):
-            continue
-        sub = getattr(gm, node.args[1].target)
-        if any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
-            continue  # reads state of its own: leave it whole
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        with graph.inserting_before(node):
-            outs = graph.graph_copy(sub.graph, dict(zip(placeholders, node.args[2:])))
-            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            detached = []
-            inputs = [a for a in node.args[2:] if isinstance(a, fx.Node)]
-            for o in outs:  # tensors leave detached; sizes (``min(k, x.shape[-1])``) as they are
-                same = _same_tensor_as(o, inputs)
-                if same is not None:  # the input handed back (``x.to(x.dtype)`` is x): in eager it keeps its
-                    detached.append(same)  # gradient, and export routes later uses of x through here (Dots-3)
-                    continue
-                tensor = isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
-                d = graph.call_method("detach", (o,)) if tensor else o
-                if tensor:
-                    d.meta = {k: v for k, v in o.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
-                detached.append(d)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(detached[user.args[1]])
-                graph.erase_node(user)
-        if not node.users:
-            submod_attr = node.args[1]
-            graph.erase_node(node)
-            if not submod_attr.users:
-                graph.erase_node(submod_attr)
-    gm.delete_all_unused_submodules()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is hop and node.args[0] is False:
+            _inline_block(gm, node, body=1, detach=True)
+
+
+def _inline_inert_autocast_blocks(gm: fx.GraphModule) -> None:
+    """An autocast block that casts nothing is its body: autocast disabled (as recorded:
+    torchtitan's router asks for float32 on CPU, which autocast turns off), or every
+    floating tensor in the block already of its dtype (a float32 model under float32
+    autocast).  A block that casts is left whole: inlining it would drop the casts, so
+    its op stays opaque and a sharded input to it is a PlanError."""
+    hop = torch.ops.higher_order.wrap_with_autocast
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is hop and _casts_nothing(gm, node):
+            _inline_block(gm, node, body=4, detach=False)
+
+
+def _casts_nothing(gm: fx.GraphModule, node: fx.Node) -> bool:
+    _device, dtype, enabled = node.args[:3]
+    if not enabled:
+        return True
+    body = getattr(gm, node.args[4].target)
+    vals = [n.meta.get("val") for n in body.graph.nodes] + [a.meta.get("val") for a in node.args[5:] if isinstance(a, fx.Node)]
+    floats = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return bool(floats) and all(v.dtype == dtype for v in floats)
+
+
+def _inline_block(gm: fx.GraphModule, node: fx.Node, *, body: int, detach: bool) -> None:
+    """Replace a higher-order op wrapping the submodule ``node.args[body]`` (called on
+    the arguments after it) by that submodule's nodes.  ``detach``: tensor outputs
+    leave detached (a no-grad block)."""
+    graph = gm.graph
+    sub = getattr(gm, node.args[body].target)
+    if any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
+        return  # reads state of its own: leave it whole
+    args = node.args[body + 1:]
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(node):
+        outs = graph.graph_copy(sub.graph, dict(zip(placeholders, args)))
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        results = []
+        inputs = [a for a in args if isinstance(a, fx.Node)]
+        for o in outs:  # tensors leave detached; sizes (``min(k, x.shape[-1])``) as they are
+            tensor = isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+            same = _same_tensor_as(o, inputs) if detach else None
+            if not (detach and tensor) or same is not None:
+                # (a no-grad block handing an input back, ``x.to(x.dtype)`` is x: in eager it keeps its
+                # gradient, and export routes later uses of x through here (Dots-3))
+                results.append(same if same is not None else o)
+                continue
+            d = graph.call_method("detach", (o,))
+            d.meta = {k: v for k, v in o.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+            results.append(d)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if not node.users:
+        submod_attr = node.args[body]
+        graph.erase_node(node)
+        if not submod_attr.users:
+            graph.erase_node(submod_attr)
 
 
 def _same_tensor_as(out, inputs: list[fx.Node]) -> fx.Node | None:

@@ -27,8 +27,20 @@ deep-copied and torchtitan's own ``update_from_config`` runs on it with a
 its trainer takes; the config is then built on the meta device, so each
 ``ShardingConfig`` is read at its module's real FQN (a config field is not always a
 module: ``QKVLinear``'s ``wkv`` builds both ``wk`` and ``wv``).  Only the ``tp`` axis
-is converted: ``dp`` belongs to FSDP2, and torchtitan's context-parallel layouts
-(sequence sharded over ``cp`` and ``tp`` together) are not imported.
+is converted for dense modules: ``dp`` belongs to FSDP2, and torchtitan's
+context-parallel layouts (sequence sharded over ``cp`` and ``tp`` together) are not
+imported.
+
+**MoE** (``MoE`` with ``RoutedExperts`` around ``GroupedExperts``, Qwen3-MoE and
+DeepSeek-V3): on a mesh with an ``ep`` axis the plan is torchtitan's expert
+parallelism, read from the configs it builds for ``expert_parallel_degree``: the
+grouped experts' weights ``S(0)`` on ``EP`` make the MoE block an
+:func:`fxshard.expert_parallel` region around ``routed_experts.inner_experts``
+(counts exchanged, tokens dispatched and combined with uneven all-to-alls, as
+torchtitan's ``AllToAllTokenDispatcher``), and the batch is sharded over ``ep``, as
+torchtitan's data loader shards it over the ranks ``ep`` is carved from.  The router
+and shared experts run inside the region on the rank's own tokens.  torchtitan's
+``tokens_per_expert_E`` buffer (declared ``Partial`` there) counts the rank's tokens.
 """
 from __future__ import annotations
 
@@ -49,7 +61,7 @@ from ..plan import ModuleSpec, Plan, _pattern_regex, colwise, rowwise, sequence_
 R = Replicate()
 
 
-def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", loss_parallel: bool = False,
+def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", loss_parallel: bool = False,
                          sequence_parallel: bool = True, inputs: Mapping[str, Any] | None = None) -> Plan:
     """torchtitan's TP plan for ``model`` (a torchtitan decoder such as ``Llama3Model``)
     as an fxshard Plan on ``mesh``, torchtitan's ``tp`` axis played by ``axis``.
@@ -60,33 +72,95 @@ def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", loss
     logits vocab-sharded for its loss-parallel cross-entropy; that is
     ``loss_parallel=True``.  The default ``False`` all-gathers them at ``lm_head`` so
     the sharded program returns the single-device logits.  ``inputs``: the graph
-    inputs' layouts, as for :class:`~fxshard.Plan`.
+    inputs' layouts, as for :class:`~fxshard.Plan` (default with ``ep``: the tokens
+    ``Shard(0)`` over it).  ``ep_axis``: the mesh axis that plays torchtitan's ``ep``
+    for MoE models (see the module docstring); on a mesh with both, dense modules
+    follow the ``tp`` plan and MoE blocks the ``ep`` one (replicated over ``tp``).
 
     Example::
 
         model = fxshard.testing.torchtitan_models.tiny_llama3()
         plan = plan_from_torchtitan(fxshard.MeshSpec(("tp",), (2,)), model)
         plan.specs["layers.*.attention.qkv_linear.wqkv"]   # colwise
+
+        moe = fxshard.testing.torchtitan_models.tiny_qwen3_moe()
+        plan = plan_from_torchtitan(fxshard.MeshSpec(("ep",), (2,)), moe)
+        plan.specs["layers.*.moe"]   # expert_parallel('ep', experts='routed_experts.inner_experts')
     """
     axes = mesh_shape(mesh)
-    if axis not in axes:
-        raise PlanError(f"plan_from_torchtitan: axis {axis!r} is not on the mesh {dict(axes)}; pass axis= the mesh axis "
-                        f"that plays torchtitan's 'tp'")
+    if axis not in axes and ep_axis not in axes:
+        raise PlanError(f"plan_from_torchtitan: neither axis {axis!r} nor ep_axis {ep_axis!r} is on the mesh {dict(axes)}; "
+                        f"pass axis= the mesh axis that plays torchtitan's 'tp' (or ep_axis= its 'ep', for MoE models)")
     _check_modules(model)
     modules = dict(model.named_modules())
-    specs = {}
-    for fqn, config in torchtitan_sharding_configs(model, tp_degree=axes[axis], sequence_parallel=sequence_parallel).items():
-        spec = spec_from_sharding_config(config, modules[fqn], axis, fqn)
-        if spec is not None:
-            specs[fqn] = spec
-    if not loss_parallel:
-        specs = _gather_logits(specs, axis)
+    specs: dict[str, ModuleSpec] = {}
+    ep_regions = _expert_parallel_specs(model, ep_axis, axes[ep_axis]) if ep_axis in axes else {}
+    if ep_axis in axes and not ep_regions:
+        raise PlanError(f"plan_from_torchtitan: the mesh has an {ep_axis!r} axis but torchtitan shards no experts of "
+                        f"{type(model).__name__} over 'ep' (it has no MoE layers); drop the axis or pass ep_axis= another name")
+    if axis in axes:
+        for fqn, config in torchtitan_sharding_configs(model, tp_degree=axes[axis], sequence_parallel=sequence_parallel).items():
+            if any(fqn == r or fqn.startswith(r + ".") for r in ep_regions):
+                continue  # inside an expert-parallel region: it runs as is, on the rank's tokens
+            spec = spec_from_sharding_config(config, modules[fqn], axis, fqn)
+            if spec is not None:
+                specs[fqn] = spec
+        if not loss_parallel:
+            specs = _gather_logits(specs, axis)
+    specs.update(ep_regions)
+    if ep_regions and inputs is None:
+        inputs = {_forward_args(model)[0]: {ep_axis: Shard(0)}}
     return Plan(mesh, _fold_layers(specs, list(modules)), inputs=inputs)
 
 
-def torchtitan_sharding_configs(model: nn.Module, *, tp_degree: int, sequence_parallel: bool = True) -> dict:
+def _expert_parallel_specs(model: nn.Module, ep_axis: str, ep_degree: int) -> dict[str, ModuleSpec]:
+    """``{moe_fqn: expert_parallel(...)}`` for every MoE block whose grouped experts
+    torchtitan shards ``S(0)`` on ``EP`` at ``expert_parallel_degree=ep_degree``."""
+    from torchtitan.models.common.moe import MoE, RoutedExperts
+
+    from ..moe import expert_parallel
+
+    configs = torchtitan_sharding_configs(model, tp_degree=1, ep_degree=ep_degree)
+    modules = dict(model.named_modules())
+    out = {}
+    for fqn, config in configs.items():
+        sharded = {name: _placement_on(layout, "ep") for name, layout in config.state_shardings.items()}
+        if not any(p == Shard(0) for p in sharded.values()):
+            continue
+        where = f"torchtitan sharding_config of {fqn!r} ({type(modules[fqn]).__name__})"
+        wrong = {n: p for n, p in sharded.items() if p != Shard(0)}
+        if wrong:
+            raise PlanError(f"{where}: experts are sharded over 'ep' on the expert dim, but {sorted(wrong)} are {wrong}; "
+                            f"fxshard's expert parallelism shards every stacked expert weight Shard(0)")
+        moe = next((m for m in _ancestors(fqn) if isinstance(modules.get(m), MoE)), None)
+        routed = next((m for m in _ancestors(fqn) if isinstance(modules.get(m), RoutedExperts)), None)
+        if moe is None or routed is None:
+            raise PlanError(f"{where}: expert weights sharded over 'ep' outside a torchtitan MoE / RoutedExperts block; "
+                            f"fxshard converts torchtitan's MoE layers only: write an fxshard.expert_parallel spec for it")
+        _check_grouped_convention(modules[fqn], fqn)
+        out[moe] = expert_parallel(ep_axis, experts=fqn[len(moe) + 1:])
+    return out
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _check_grouped_convention(experts: nn.Module, fqn: str) -> None:
+    """fxshard dispatches around ``experts(x, num_tokens_per_expert)``: torchtitan's
+    ``GroupedExperts`` (and subclasses such as gpt-oss's) are called that way."""
+    args = _forward_args(experts)
+    if len(args) != 2:
+        raise PlanError(f"module {fqn!r} ({type(experts).__name__}) holds the experts torchtitan shards over 'ep', but its "
+                        f"forward takes {args}; fxshard's all-to-all dispatch wraps experts called as "
+                        f"experts(x, num_tokens_per_expert)")
+
+
+def torchtitan_sharding_configs(model: nn.Module, *, tp_degree: int, sequence_parallel: bool = True, ep_degree: int = 1) -> dict:
     """``{module_fqn: ShardingConfig}``: what torchtitan's trainer would attach to
-    ``model``'s modules for tensor parallelism of degree ``tp_degree``.
+    ``model``'s modules for tensor parallelism of degree ``tp_degree`` (and expert
+    parallelism of degree ``ep_degree``).
 
     Example::
 
@@ -101,12 +175,14 @@ def torchtitan_sharding_configs(model: nn.Module, *, tp_degree: int, sequence_pa
         raise PlanError(f"plan_from_torchtitan: expected a torchtitan model built from its config (a Decoder such as "
                         f"Llama3Model, with .config), got {type(model).__name__}")
     config = copy.deepcopy(config)  # torchtitan fills sharding_config in place: leave the model's config alone
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp_degree, enable_sequence_parallel=sequence_parallel)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp_degree, enable_sequence_parallel=sequence_parallel,
+                                    expert_parallel_degree=ep_degree)
     try:
         # The entry point torchtitan's trainer calls; it also checks that tp divides the heads.
         config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     except (ValueError, NotImplementedError) as e:
-        raise PlanError(f"torchtitan rejects tensor parallelism of degree {tp_degree} for {type(model).__name__}: {e}") from e
+        raise PlanError(f"torchtitan rejects tensor parallelism of degree {tp_degree} (expert parallelism {ep_degree}) "
+                        f"for {type(model).__name__}: {e}") from e
     with torch.device("meta"):
         shadow = config.build()
     found = {fqn: m._sharding_config for fqn, m in shadow.named_modules() if getattr(m, "_sharding_config", None) is not None}
@@ -164,18 +240,23 @@ def spec_from_sharding_config(config, module: nn.Module, axis: str, fqn: str) ->
 def _tp(layout, where: str) -> Placement | None:
     """The DTensor placement of ``layout`` on torchtitan's ``tp`` axis, resolved as its
     ``resolve_placements`` does (``partition_spec`` folded into ``S(dim)``)."""
+    return _placement_on(layout, "tp", where)
+
+
+def _placement_on(layout, name: str, where: str = "") -> Placement | None:
+    """The DTensor placement of ``layout`` on torchtitan's mesh axis ``name``."""
     if layout is None:
         return None
     import spmd_types as spmd
     from torchtitan.distributed.parallel_dims import MeshAxisName
 
-    t = layout.per_axis_spmd_types().get(MeshAxisName.TP)
+    t = layout.per_axis_spmd_types().get(MeshAxisName(name))
     if t is None:
         return None
     try:
         return spmd.spmd_type_to_dtensor_placement(t)
     except ValueError as e:
-        raise PlanError(f"{where}: {t} on 'tp' has no DTensor placement ({e}); give the layout a partition_spec") from e
+        raise PlanError(f"{where}: {t} on {name!r} has no DTensor placement ({e}); give the layout a partition_spec") from e
 
 
 def _args(layouts: Mapping[str, Any] | None, module: nn.Module, axis: str, where: str) -> dict | None:

@@ -2,7 +2,10 @@
 
 :func:`tiny_llama3` builds torchtitan 0.3's own ``Llama3Model`` from its config classes,
 the way its trainer does (``Config.build()`` on the meta device, ``to_empty``,
-``init_states``), with shapes small enough for a CPU test.
+``init_states``), with shapes small enough for a CPU test; :func:`tiny_qwen3_moe` and
+:func:`tiny_deepseek_v3` its MoE decoders (``MoE``: a top-k router with a
+load-balancing bias buffer, ``RoutedExperts`` around stacked ``GroupedExperts``
+weights, DeepSeek-V3 also shared experts, MLA attention and a dense first layer).
 
 Forward signature (``torchtitan.models.common.decoder.Decoder.forward``)::
 
@@ -101,6 +104,89 @@ def tiny_llama3(**overrides) -> torch.nn.Module:
     # Only floating parameters: the RoPE cache stays complex64 as torchtitan keeps it.
     for p in model.parameters():
         p.data = p.data.to(a["dtype"])
+    return model.eval()
+
+
+def tiny_qwen3_moe(*, n_layers: int = 2, num_experts: int = 4, top_k: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A small torchtitan ``Qwen3Model`` with MoE layers (torchtitan's own
+    ``_build_qwen3_moe_layers``: softmax top-k with route norm, no shared experts,
+    q/k norms, fused wqkv, GQA 2:1), dim 64, head_dim 16, expert hidden 32, vocab 128,
+    float32, SDPA attention.
+
+    Example::
+
+        model = tiny_qwen3_moe()
+        model.layers["0"].moe.routed_experts.inner_experts.w1_EFD.shape    # [4, 32, 64]
+    """
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    dim, vocab, head_dim = 64, 128, 16
+    layers = _build_qwen3_moe_layers(
+        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
+        num_experts=num_experts, top_k=top_k, fuse_qkv=True, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0),
+    )
+    config = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), layers=_sdpa(layers),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+    )
+    return _build(config, seed)
+
+
+def tiny_deepseek_v3(*, n_layers: int = 2, num_experts: int = 4, top_k: int = 2, score_func: str = "softmax",
+                     seed: int = 0) -> torch.nn.Module:
+    """A small torchtitan ``DeepSeekV3Model`` (torchtitan's own ``_build_dsv3_layers``):
+    MLA attention (kv LoRA, rope/nope split), layer 0 dense, the others MoE with 2
+    shared experts, dim 64, 4 heads, vocab 128, float32, SDPA attention.
+    ``score_func``: the router's ``"softmax"`` or ``"sigmoid"`` (DeepSeek-V3 671B's).
+
+    Example::
+
+        model = tiny_deepseek_v3()
+        model.layers["1"].moe.shared_experts.w1     # Linear(64, 64)
+    """
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    dim, vocab, rope_dim = 64, 128, 8
+    layers = _build_dsv3_layers(
+        n_layers=n_layers, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16, mscale=0.70, dense_hidden_dim=128,
+        moe_hidden_dim=32, num_experts=num_experts, num_shared_experts=2, router_top_k=top_k,
+        router_score_func=score_func, attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=64, theta=10000.0),
+    )
+    config = DeepSeekV3Model.Config(
+        vocab_size=vocab, dim=dim, layers=_sdpa(layers),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+    )
+    return _build(config, seed)
+
+
+def _sdpa(layers):
+    """torchtitan refuses "sdpa" for language models only because its loaders emit
+    per-document positions; tests feed plain causal sequences (see tiny_llama3_config)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def _build(config, seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("meta"):  # as torchtitan's trainer: build on meta, then init states
+            model = config.build()
+        model.to_empty(device="cpu")
+        model.init_states(buffer_device=torch.device("cpu"))
     return model.eval()
 
 

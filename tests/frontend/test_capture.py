@@ -8,6 +8,7 @@ import torch.nn as nn
 import fxshard
 from equivalence import check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
+from torch.distributed.tensor import Replicate
 from fxshard.boundary import region_input, region_output
 
 
@@ -114,6 +115,38 @@ def test_a_no_grad_block_handing_its_input_back_keeps_its_gradient():
     model(x).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(want[n], p.grad, msg=n)
+
+
+class Autocasts(nn.Module):
+    """torchtitan's router: ``with torch.autocast(device, dtype=float32)`` around the
+    gate, here also nested in a no-grad block; ``dtype`` bf16 really casts on CPU."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.gate, self.out, self.dtype = nn.Linear(8, 8), nn.Linear(8, 8), dtype
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            h = self.gate(x)
+        with torch.no_grad():
+            with torch.autocast(x.device.type, dtype=self.dtype):
+                scale = self.gate(x).float().sigmoid()
+        return self.out(h.float()) * scale
+
+
+@pytest.mark.filterwarnings("ignore:In CPU autocast")
+def test_autocast_blocks_that_cast_nothing_are_inlined_and_shard():
+    """Float32 autocast is off on CPU: the block is its body, so the gate's linear gets
+    a layout rule (colwise here) instead of an opaque higher-order op."""
+    x = torch.randn(2, 4, 8)
+    gm = fxshard.trace(Autocasts(), None, (x,), capture="export")
+    assert "wrap_with_autocast" not in gm.code and "wrap_with_set_grad_enabled" not in gm.code
+    check_simulated(Autocasts, lambda mesh: Plan(mesh, {"gate": colwise("tp", out=Replicate())}), (x,), {"tp": 2})
+
+
+def test_an_autocast_block_that_casts_stays_whole():
+    gm = fxshard.trace(Autocasts(torch.bfloat16), None, (torch.randn(2, 4, 8),), capture="export")
+    assert "wrap_with_autocast" in gm.code  # inlining would drop its casts to bf16
 
 
 def test_input_model_and_grad_mode_untouched():

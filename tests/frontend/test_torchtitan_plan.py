@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, rowwise, sequence_parallel, vocab_parallel
+from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
 from fxshard.frontend.torchtitan_plan import plan_from_torchtitan, torchtitan_sharding_configs
-from fxshard.testing.torchtitan_models import tiny_llama3
+from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3, tiny_qwen3_moe
 
 TP2 = MeshSpec(("tp",), (2,))
 R = Replicate()
@@ -120,6 +120,36 @@ def test_plan_is_read_from_torchtitan_not_reproduced(model):
     assert model.config.layers[0].attention.wo.sharding_config is None  # the model's config is left alone
 
 
+# ----------------------------------------------------------------------------- MoE: expert parallelism
+
+
+EP2 = MeshSpec(("ep",), (2,))
+GROUPED = expert_parallel("ep", experts="routed_experts.inner_experts")
+
+
+@pytest.mark.parametrize("factory", [tiny_qwen3_moe, tiny_deepseek_v3])
+def test_ep_mesh_makes_each_moe_block_expert_parallel(factory):
+    """torchtitan shards the grouped experts S(0) on EP: the MoE block becomes one
+    expert-parallel region around them, and the batch is sharded over ep (DeepSeek-V3's
+    dense first layer has no MoE: the pattern still covers the layers that do)."""
+    plan = plan_from_torchtitan(EP2, factory())
+    assert plan.specs == {"layers.*.moe": GROUPED}
+    assert plan.inputs == {"tokens": {"ep": Shard(0)}}
+
+
+def test_ep_tp_mesh_shards_dense_modules_over_tp_and_experts_over_ep():
+    plan = plan_from_torchtitan(MeshSpec(("ep", "tp"), (2, 2)), tiny_qwen3_moe())
+    assert plan.specs["layers.*.moe"] == GROUPED
+    assert plan.specs["layers.*.attention.wo"] == rowwise("tp", out=Shard(1))
+    assert not [p for p in plan.specs if p.startswith("layers.*.moe.")]  # the region runs as is inside
+    assert plan.inputs == {"tokens": {"ep": Shard(0), "tp": R}}
+
+
+def test_ep_mesh_on_a_dense_model_is_a_plan_error(model):
+    with pytest.raises(PlanError, match="'ep' axis but torchtitan shards no experts of Llama3Model"):
+        plan_from_torchtitan(EP2, model)
+
+
 # ----------------------------------------------------------------------------- no equivalent
 
 
@@ -150,7 +180,7 @@ def test_tp_must_divide_the_kv_heads(model):
 
 
 def test_axis_must_be_on_the_mesh(model):
-    with pytest.raises(PlanError, match="axis 'mp' is not on the mesh"):
+    with pytest.raises(PlanError, match="neither axis 'mp' nor ep_axis 'ep' is on the mesh"):
         plan_from_torchtitan(TP2, model, axis="mp")
 
 

@@ -63,11 +63,14 @@ class RoutedExpertsSpec(ModuleSpec):
     tp: str | None = None
     tp_dims: Mapping[str, tuple[int, int]] | None = None
     tokens: Placement = Replicate()
+    dispatch: str = "gather"
 
     def __repr__(self) -> str:
         parts = [f"{k}={getattr(self, k)!r}" for k in ("ep", "tp") if getattr(self, k)]
         if self.tokens != Replicate():
             parts.append(f"tokens={self.tokens!r}")
+        if self.dispatch != "gather":
+            parts.append(f"dispatch={self.dispatch!r}")
         if self.tp_dims is not None:
             parts.append(f"tp_dims={dict(self.tp_dims)!r}")
         return f"routed_experts({', '.join(parts)})"
@@ -148,7 +151,7 @@ def _stacked(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def routed_experts(ep: str | None = None, tp: str | None = None, *, tokens: Placement = Replicate(),
-                   tp_dims: Mapping[str, tuple[int, int]] | None = None) -> RoutedExpertsSpec:
+                   dispatch: str = "gather", tp_dims: Mapping[str, tuple[int, int]] | None = None) -> RoutedExpertsSpec:
     """Shard routed experts (HF's ``experts(hidden, top_k_index, top_k_weights)``) over
     an expert axis ``ep``, a tensor axis ``tp``, or both (see :mod:`fxshard.routed_experts`).
 
@@ -158,6 +161,13 @@ def routed_experts(ep: str | None = None, tp: str | None = None, *, tokens: Plac
     (HF's EP): one all-reduce of the output.  ``Shard(0)``, for a batch sharded over ``ep``
     (``inputs={"input_ids": {"ep": Shard(0)}}``): the tokens and routing are all-gathered on
     entry and the output reduce-scattered back to each rank's own tokens.
+    ``dispatch="all_to_all"`` (with ``tokens=Shard(0)``): each rank sends only the
+    (token, choice) pairs whose expert another rank owns, with the count exchange and
+    uneven all-to-alls of :func:`fxshard.ep_dispatch` / :func:`fxshard.ep_combine`, and
+    gets their results back; per MoE layer it moves ``2k(ep-1)/ep`` token rows instead of
+    the gather's ``2(ep-1)`` (less from ``ep > k``).  Its all-to-alls run inside the
+    experts' call (data-dependent splits), so :func:`fxshard.comm_summary` does not list
+    them, and simulated ranks cannot run them.
 
     Example::
 
@@ -172,14 +182,22 @@ def routed_experts(ep: str | None = None, tp: str | None = None, *, tokens: Plac
     if tokens != Replicate() and (ep is None or tokens != Shard(0)):
         raise PlanError(f"routed_experts(tokens={tokens!r}): the tokens around the experts are Replicate() or, with "
                         f"ep=, Shard(0) over ep (a batch sharded over ep)")
+    if dispatch not in ("gather", "all_to_all"):
+        raise PlanError(f"routed_experts(dispatch={dispatch!r}): use 'gather' (all-gather the tokens, reduce-scatter the "
+                        f"output) or 'all_to_all' (send each token to its experts' ranks)")
+    if dispatch == "all_to_all" and tokens != Shard(0):
+        raise PlanError(f"routed_experts(dispatch='all_to_all') sends each rank's own tokens to their experts: it needs "
+                        f"tokens=Shard(0) (a batch sharded over ep={ep!r}); with replicated tokens every rank already "
+                        f"holds them all")
     axes = [a for a in (ep, tp) if a is not None]
+    a2a = dispatch == "all_to_all"  # the tokens stay the rank's own; the output is its own tokens' (exact on ep)
     return RoutedExpertsSpec(
-        inputs=tuple({a: Replicate() for a in axes} for _ in range(3)),
-        out_src={a: Partial() for a in axes},
+        inputs=tuple({a: Shard(0) if a2a and a == ep else Replicate() for a in axes} for _ in range(3)),
+        out_src={a: Shard(0) if a2a and a == ep else Partial() for a in axes},
         out_dst={a: tokens if a == ep else Replicate() for a in axes},
         local=True,
         style="routed_experts",
-        ep=ep, tp=tp, tp_dims=dict(tp_dims) if tp_dims is not None else None, tokens=tokens,
+        ep=ep, tp=tp, tp_dims=dict(tp_dims) if tp_dims is not None else None, tokens=tokens, dispatch=dispatch,
     )
 
 
@@ -290,6 +308,37 @@ def local_experts_forward(spec: RoutedExpertsSpec, n_local: int) -> Callable[[Ca
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             top_k_index, top_k_weights = local_routing(top_k_index, top_k_weights, axis, n_local)
             return base(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+        return forward
+
+    return make
+
+
+def dispatched_experts_forward(spec: RoutedExpertsSpec, n_experts: int, n_local: int) -> Callable[[Callable], Callable]:
+    """Forward wrapper of the experts for ``dispatch="all_to_all"``: this rank's
+    (token, choice) pairs, sorted by expert, go to the ranks that own their experts
+    (count exchange, uneven all-to-all); the module's own forward runs on what this rank
+    received, each row routed to its local expert with weight 1; the results come back in
+    the pairs' order and are added to their tokens scaled by their routing weights, in
+    the order HF's experts add them (by expert)."""
+    from .moe import ep_combine, ep_dispatch, ep_exchange_counts
+
+    axis = spec.ep
+
+    def make(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            k = top_k_index.shape[-1]
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=n_experts)
+            token = order // k
+            counts_ep = ep_exchange_counts(counts, axis)
+            x, local_counts, plan = ep_dispatch(hidden_states[token], counts, counts_ep, axis)
+            expert = torch.repeat_interleave(torch.arange(n_local, device=x.device), local_counts.to(x.device))
+            ones = torch.ones(x.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
+            y = ep_combine(base(self, x, expert[:, None], ones, *args, **kwargs), plan, axis)
+            w = top_k_weights.reshape(-1)[order].to(y.dtype)
+            return torch.zeros_like(hidden_states).index_add(0, token, y * w[:, None])
 
         return forward
 

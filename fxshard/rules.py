@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import math
 import operator
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import cp_ops  # registers the fxshard::sliding_window_mask op the table names
 from .errors import PlanError, node_error
-from .layout import fmt_layout, fmt_placement
+from .layout import fmt_layout, fmt_placement, local_shape
 from .meta import KEY, SizeInfo, TensorInfo
 
 R = Replicate()
@@ -109,6 +110,28 @@ def _layout_map(ctx: Ctx, fn: Callable[[str], Any]) -> dict:
     return {axis: fn(axis) for axis in ctx.axes}
 
 
+def shard_broadcast(ctx: Ctx, a, axis: str, dim: int) -> bool:
+    """Let the Replicate operand ``a`` of this node be ``Shard(dim)`` on ``axis``, if it is
+    free: ``a`` is an ``expand`` that broadcasts a size-1 (or new) dim ``dim`` of a
+    Replicate tensor and this node is its only user.  Every chunk of such a tensor is
+    the same, so each rank expands to its local size instead (``localize`` shrinks a
+    literal size) and no value moves; the gradient of the broadcast tensor is then
+    summed over the ranks by ``grad_sync``.  MLA attention is the case: the shared
+    rope key ``k_pe.expand(-1, n_heads, -1, -1)`` meets the head-sharded keys."""
+    if not isinstance(a, fx.Node) or a.op != "call_method" or a.target != "expand" or len(a.users) != 1:
+        return False
+    out, src = ctx.info_of(a), ctx.info_of(a.args[0])
+    if not isinstance(out, TensorInfo) or not isinstance(src, TensorInfo) or not isinstance(out.layout[axis], Replicate):
+        return False
+    sd = dim - (len(out.shape) - len(src.shape))
+    if not (0 <= dim < len(out.shape)) or not (sd < 0 or src.shape[sd] == 1) or out.shape[dim] % ctx.axes[axis]:
+        return False
+    layout = {**out.layout, axis: Shard(dim)}
+    a.meta[KEY].value = replace(out, layout=layout, local_shape=local_shape(out.shape, layout, ctx.axes))
+    a.meta[KEY].rule = f"{a.meta[KEY].rule or 'expand'} (broadcast dim {dim} sharded like its user `{ctx.node.name}` on {axis!r})"
+    return True
+
+
 # ----------------------------------------------------------------------------- pointwise
 
 LINEAR_UNARY = "unary"
@@ -167,7 +190,7 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
             (d,) = shard_dims
             for a, ti in reps:
                 ad = d - (nd - len(ti.shape))
-                if ad >= 0 and ti.shape[ad] != 1:
+                if ad >= 0 and ti.shape[ad] != 1 and not shard_broadcast(ctx, a, axis, ad):
                     raise ctx.fail(
                         f"Replicate input `{a.name}` {list(ti.shape)} is combined elementwise with an input sharded on dim {d} "
                         f"on axis {axis!r}; its dim {ad} is full-size, not broadcast",
@@ -836,12 +859,63 @@ def copy_into(ctx: Ctx):
             return pd
         if isinstance(ps, Replicate) and isinstance(pd, Shard):
             sd = pd.dim - off
-            if sd < 0 or src.shape[sd] == 1:
+            if sd < 0 or src.shape[sd] == 1 or shard_broadcast(ctx, ctx.arg(1), axis, sd):
                 return pd
         raise ctx.fail(f"copies a {fmt_placement(ps)} value into a {fmt_placement(pd)} one on axis {axis!r}: the ranks' "
                        "parts do not line up", "give the copied value the layout of its destination in the plan, or make both Replicate")
 
     return _layout_map(ctx, one)
+
+
+def fresh_like(ctx: Ctx):
+    """``x.new_empty(sizes)`` / ``new_zeros`` / ``new_ones``: a new tensor, Replicate --
+    unless it is a buffer assembled from parts written into it that are sharded alike
+    (HF's MLA keys: ``k = kv.new_empty(...)``, ``k[..., :nope].copy_(k_nope)`` with
+    ``k_nope`` head-sharded): then every rank builds its own part, sharded like them
+    (``localize`` shrinks a literal size), and a Replicate part written next must be
+    broadcast along that dim (``copy_``)."""
+    nd = ctx.out_ndim
+
+    def one(axis):
+        proposed = set(_written_parts(ctx.node, nd, axis))
+        return proposed.pop() if len(proposed) == 1 else R
+
+    return _layout_map(ctx, one)
+
+
+def _written_parts(buffer: fx.Node, nd: int, axis: str):
+    """The ``Shard`` s on ``axis`` (in ``buffer``'s dims) of values already laid out that are
+    copied into ``buffer`` or into a basic slice of it that keeps that dim whole."""
+    for view in buffer.users:
+        if view.op == "call_function" and view.target is operator.getitem:
+            dims = _basic_slices(view.args[1], nd)
+            if dims is None:
+                continue
+        else:
+            view, dims = buffer, [slice(None)] * nd
+        for w in view.users if view is not buffer else [view]:
+            if not (w.op == "call_function" and w.target is torch.ops.aten.copy_.default or w.op == "call_method" and w.target == "copy_"):
+                continue
+            if w.args[0] is not view:
+                continue
+            src = Ctx.info_of(w.args[1])
+            p = src.layout.get(axis) if isinstance(src, TensorInfo) else None
+            if isinstance(p, Shard):
+                d = p.dim + nd - len(src.shape)
+                if 0 <= d < nd and dims[d] == slice(None):
+                    yield Shard(d)
+
+
+def _basic_slices(idx, nd: int) -> list | None:
+    """``x[idx]`` as one slice per dim of ``x`` when ``idx`` is slices and ``...`` only (a
+    view that keeps every dim), else None."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items) or sum(i is Ellipsis for i in items) > 1:
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (nd - len(items) + 1) + items[at + 1:]
+    return items + [slice(None)] * (nd - len(items)) if len(items) <= nd else None
 
 
 def narrow(ctx: Ctx):
@@ -895,6 +969,9 @@ def rank_dependent_numbers(ctx: Ctx) -> None:
 
 
 def expand(ctx: Ctx):
+    """``x.expand(*sizes)``: sharded dims stay sharded.  (A Replicate dim sized at run time
+    by a sharded dim gets the global size back from ``localize``; a broadcast that meets a
+    sharded operand is sharded like it, see :func:`shard_broadcast`.)"""
     x = ctx.t(0)
     off = ctx.out_ndim - len(x.shape)
     return _layout_map(ctx, lambda axis: Shard(x.layout[axis].dim + off) if isinstance(x.layout[axis], Shard) else x.layout[axis])
@@ -945,6 +1022,11 @@ def cat(stack: bool):
 
         def one(axis):
             ps = {ti.layout[axis] for ti in infos}
+            shards = {p for p in ps if isinstance(p, Shard)}
+            if not stack and len(shards) == 1 and ps - shards == {R}:  # MLA: cat([k_nope, k_pe.expand(...)])
+                (sh,) = shards
+                if all(ti.layout[axis] == sh or shard_broadcast(ctx, t, axis, sh.dim) for t, ti in zip(tensors, infos)):
+                    ps = shards
             if len(ps) != 1:
                 raise ctx.fail(f"{'stack' if stack else 'cat'} of tensors with different layouts on {axis!r}", "give all inputs the same layout")
             (p,) = ps
@@ -1165,7 +1247,7 @@ RULES.update({f: scalar_or(None) for f in vars(math).values() if callable(f) and
 RULES.update({f: scalar_or(None) for f in (builtins.min, builtins.max, builtins.round, builtins.int, builtins.float)})
 
 METHOD_RULES: dict[str, Callable] = {
-    "copy_": copy_into,
+    "copy_": copy_into, "new_empty": fresh_like, "new_zeros": fresh_like, "new_ones": fresh_like,
     "add": _add, "sub": _add, "mul": _mul, "div": _div, "neg": _unary, "__add__": _add,
     "float": _unary, "half": _unary, "bfloat16": _unary, "double": _unary, "to": _type_as, "type_as": _type_as,
     "contiguous": _unary, "clone": _unary, "detach": _unary,

@@ -55,7 +55,7 @@ from fxshard import runtime
 from fxshard.errors import PlanError, SignatureMismatchError
 from fxshard.layout import local_shape
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
-from fxshard.routed_experts import RoutedExpertsSpec, local_experts_forward, sharding_error
+from fxshard.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
 from fxshard.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
 
 from .normalize import normalize
@@ -270,7 +270,10 @@ def _routed_experts(module: nn.Module, region: LocalRegion, axes: dict[str, int]
         if hasattr(module, "num_experts"):
             module.num_experts = n_local
         module._is_expert_parallel = True  # HF's grouped/batched kernels mask the sentinel only then
-        swap_forward(module, local_experts_forward(spec, n_local))
+        if spec.dispatch == "all_to_all":
+            swap_forward(module, dispatched_experts_forward(spec, spec.n_experts(module), n_local))
+        else:
+            swap_forward(module, local_experts_forward(spec, n_local))
     if syncs:
         swap_forward(module, with_grad_sync({_relative(f, region.fqn): a for f, a in syncs.items()}))
 

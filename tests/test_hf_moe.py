@@ -66,6 +66,21 @@ def test_hf_moe_simulated(family, mesh_shape):
     assert calls, "the experts are one call each, run on local tensors"
 
 
+def test_mla_attention_under_tp():
+    """DeepSeek-V2's MLA under HF's plan: the per-head keys are assembled in a new buffer
+    from the head-sharded no-rope part and the shared rope key broadcast to every head
+    (``k_rot.expand(-1, n_heads, -1, -1)``).  The buffer is built sharded like its parts,
+    each rank broadcasts the shared key to its own heads only, and that key's gradient
+    is summed over the ranks: one all-reduce of [B, 1, S, rope] per layer backward."""
+    sharded = check_simulated(functools.partial(moe_model, "deepseek_v2"), functools.partial(hf_plan, family="deepseek_v2"),
+                              (), {"tp": 2}, **CHECK)
+    code = sharded.code
+    assert "new_empty" in code and ".expand([-1, 2, -1, -1])" in code  # 4 heads, 2 per rank
+    syncs = [n for n in sharded.graph.nodes if n.op == "call_function" and n.target is fxshard.runtime.grad_sync
+             and any(u.op == "call_method" and u.target == "expand" for u in n.users)]
+    assert len(syncs) == 2, [n.name for n in syncs]  # the shared rope key of each layer
+
+
 def _batch_sharded_plan(mesh):
     return fxshard.Plan(mesh, {"model.layers.*.mlp.experts": fxshard.routed_experts(ep="ep", tokens=Shard(0))},
                         inputs={"input_ids": {"ep": Shard(0)}})
@@ -113,8 +128,51 @@ def test_full_state_dict_holds_every_expert():
                                    model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
 
 
+IDS4, LABELS4 = tiny_inputs(batch=4)  # 4 sequences: one or two per ep rank
+
+
+def dispatch_plan(mesh, tp: str | None = None):
+    """The batch sharded over ep; tokens sent to their experts' ranks with all-to-alls."""
+    spec = fxshard.routed_experts(ep="ep", tp=tp, tokens=Shard(0), dispatch="all_to_all")
+    return fxshard.Plan(mesh, {"model.layers.*.mlp.experts": spec}, inputs={"input_ids": {"ep": Shard(0)}})
+
+
+def _dispatch_case(family: str, mesh_shape: dict, starve: int | None = None, **kw) -> Case:
+    plan = functools.partial(dispatch_plan, tp="tp" if "tp" in mesh_shape else None)
+    return Case(functools.partial(moe_model, family, starve), plan, (), mesh_shape, kwargs={"input_ids": IDS4},
+                select=logits, name=f"{family} {mesh_shape} all-to-all dispatch", **kw)
+
+
+def _count_all_to_alls(sharded, mesh, rank, world_size):
+    """Per MoE layer: count exchange, dispatch and combine forward, the dispatch's and
+    combine's mirror backward; no all-gather or reduce-scatter of the tokens."""
+    from test_moe import CountAllToAll
+
+    layers = sum(1 for n, _ in sharded.named_modules() if n.endswith("mlp.experts"))
+    with CountAllToAll() as fwd:
+        out = sharded(input_ids=IDS4.chunk(world_size)[rank])
+    with CountAllToAll() as bwd:
+        out.logits.pow(2).mean().backward()
+    assert (fwd.calls, bwd.calls) == (3 * layers, 2 * layers), (fwd.calls, bwd.calls)
+    assert fxshard.comm_summary(sharded).count("forward", "all_gather") == 0
+
+
+def test_hf_moe_real_gloo_ep2():
+    """2 gloo ranks: Mixtral at ep=2 with HF's plan (tokens replicated); Qwen3-MoE and
+    DeepSeek-V3 (rank 1's experts never chosen) with the batch sharded over ep and the
+    tokens dispatched to their experts' ranks."""
+    check_real_cases(2, [_case("mixtral", {"ep": 2}), _dispatch_case("qwen3_moe", {"ep": 2}),
+                         _dispatch_case("deepseek_v3", {"ep": 2}, starve=1, post=_count_all_to_alls)])
+
+
 def test_hf_moe_real_gloo():
-    """One spawn of 4 gloo ranks: Mixtral and Qwen3-MoE at ep x tp = 2 x 2, DeepSeek-V3
-    (shared experts) at ep=4 with two ranks' experts never chosen."""
+    """One spawn of 4 gloo ranks: Mixtral and Qwen3-MoE at ep x tp = 2 x 2 (Qwen3-MoE also
+    dispatching its batch-sharded tokens), DeepSeek-V3 (shared experts) at ep=4 with two
+    ranks' experts never chosen."""
     check_real_cases(4, [_case("mixtral", {"ep": 2, "tp": 2}), _case("qwen3_moe", {"ep": 2, "tp": 2}),
-                         _case("deepseek_v3", {"ep": 4}, starve=1)])
+                         _dispatch_case("qwen3_moe", {"ep": 2, "tp": 2}), _case("deepseek_v3", {"ep": 4}, starve=1)])
+
+
+def test_all_to_all_dispatch_needs_sharded_tokens():
+    with pytest.raises(fxshard.PlanError, match=r"dispatch='all_to_all'.* needs tokens=Shard\(0\)"):
+        fxshard.routed_experts(ep="ep", dispatch="all_to_all")

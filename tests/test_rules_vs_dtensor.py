@@ -116,6 +116,14 @@ BOOL = T(X, "bool")
 DP2 = {"dp": 2, "tp": 2}
 
 
+def _assembled(a, b):
+    """HF's MLA keys: a new buffer, the per-head part copied in, the shared part broadcast."""
+    buf = a.new_empty(2, 4, 8)
+    buf[..., :4].copy_(a)
+    buf[..., 4:].copy_(b.expand(-1, 4, -1))
+    return buf
+
+
 def _same_qkv(lays):
     """k and v alike, and either Replicate or laid out like q."""
     return lays[1] == lays[2] and all(isinstance(p, Replicate) for p in lays[1].values()) or lays[0] == lays[1] == lays[2]
@@ -313,6 +321,13 @@ SAMPLES: list[Sample] = [
     _s("copy_", lambda d, s: d.clone().copy_(s), X, X),
     _s("copy_/broadcast", lambda d, s: d.clone().copy_(s), X, (8,)),
     _s("aten.copy_", lambda d, s: torch.ops.aten.copy_.default(d.clone(), s), X, X),
+    # -- a replicated broadcast meeting sharded parts (MLA keys: the shared rope key per head)
+    _s("expand/run-time-size", lambda x, y: y.expand(-1, x.shape[1], -1), X, (2, 1, 8)),
+    _s("torch.cat/broadcast-expand", lambda a, b: torch.cat([a, b.expand(-1, 4, -1)], -1), (2, 4, 4), (2, 1, 4)),
+    _s("operator.mul/broadcast-expand", lambda a, b: a * b.expand(-1, 4, -1), (2, 4, 4), (2, 1, 4)),
+    _s("new_empty/assembled", lambda a, b: _assembled(a, b), (2, 4, 4), (2, 1, 4)),
+    _s("new_zeros", lambda x: x.new_zeros(2, 4, 8), X),
+    _s("new_ones", lambda x: x.new_ones((2, 4)), X),
     # -- indexing, sizes
     _s("getitem/int", lambda x: x[:, 1], X),
     _s("getitem/slice", lambda x: x[..., 2:6], X),
@@ -492,6 +507,14 @@ ALLOWLIST: list[Entry] = [
     Entry("arange-own-positions", ("torch.arange",), "arange(n) with n the size of a dim sharded on one axis builds this "
           "rank's own positions (Shard(0), plus the rank's offset: rules.factory, localize); DTensor builds the whole range "
           "Replicate and shards it where it meets the sharded operand (no communication either)", verdicts=(ACC_REDIST,)),
+    Entry("broadcast-sharded-like-its-user", ("torch.cat/broadcast-expand", "operator.mul/broadcast-expand",
+                                              "new_empty/assembled"),
+          "a Replicate broadcast (expand of a size-1 dim) meeting a sharded operand is expanded to each rank's local size "
+          "(rules.shard_broadcast), and a new buffer the sharded parts are copied into is built sharded like them "
+          "(rules.fresh_like); DTensor chunks the broadcast or gathers the parts instead (its R->S is local, S->R is not)",
+          verdicts=(ACC_REDIST,)),
+    Entry("fresh-tensors-replicate", ("new_zeros", "new_ones"), "x.new_zeros(sizes) of a sharded x: fxshard builds the "
+          "single-device tensor, Replicate (rules.fresh_like), where DTensor shards it like x; both exact", verdicts=(DIFF,)),
     # fxshard refuses where DTensor runs without redistributing ("gaps": a missed layout, never wrong numbers)
     Entry("gap-strided-shard", ("*",), "a merge of a sharded non-outermost dim is DTensor's _StridedShard, which fxshard does "
           "not represent (it refuses the view)", verdicts=(GAP,), when=lambda c: "_StridedShard" in _dt_out(c)),

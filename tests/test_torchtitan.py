@@ -11,7 +11,7 @@ pytest.importorskip("torchtitan")
 
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
-from fxshard.testing.torchtitan_models import tiny_llama3
+from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3
 
 V = 128
 
@@ -68,3 +68,26 @@ def test_torchtitan_llama3_real_gloo():
         Case(functools.partial(llama3, 2), functools.partial(titan_plan, tp=2, loss_parallel=True), (IDS,), {"tp": 2},
              loss_fn=vocab_parallel_loss, targets=(TGT,), replicated_loss=True, lr=0.5, name="torchtitan llama3 loss parallel"),
     ])
+
+
+def dense_deepseek_v3():
+    """torchtitan's DeepSeek-V3 cut to its dense first layer: MLA attention, SwiGLU FFN."""
+    return tiny_deepseek_v3(n_layers=1)
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp-only"])
+def test_torchtitan_deepseek_v3_mla_simulated(sp):
+    """MLA under torchtitan's plan: ``cat([k_nope, k_pe.expand(-1, -1, n_heads, -1)])``
+    with the heads of k_nope sharded; the shared rope key is broadcast to each rank's
+    own heads (no value moves) and its gradient summed over the ranks."""
+    sharded = check_simulated(dense_deepseek_v3, lambda mesh: fxshard.Plan.from_torchtitan(mesh, dense_deepseek_v3(),
+                                                                                          sequence_parallel=sp),
+                              (IDS,), {"tp": 2}, loss_fn=cross_entropy, targets=(TGT,), lr=0.5)
+    assert ".expand([-1, -1, 2, -1])" in sharded.code  # 4 heads, 2 per rank
+
+
+def test_torchtitan_moe_under_tp_alone_is_a_plan_error():
+    """torchtitan's TP-only MoE (experts sharded on their hidden dim inside its local_map
+    region) is not converted; expert parallelism is (tests/test_torchtitan_moe.py)."""
+    with pytest.raises(fxshard.PlanError, match="'layers.1.moe.routed_experts' \\(RoutedExperts\\): local_map"):
+        fxshard.Plan.from_torchtitan(fxshard.MeshSpec(("tp",), (2,)), tiny_deepseek_v3())

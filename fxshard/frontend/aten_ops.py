@@ -52,6 +52,15 @@ def _function(fn: Callable, n_args: int | None = None) -> Callable[..., Spec]:
     return tr
 
 
+def _new(name: str) -> Callable[..., Spec]:
+    """``aten.new_empty(x, size, dtype=, device=, pin_memory=)`` -> ``x.new_empty(size, ...)``
+    (export spells out the defaults; the method reads them from ``x``)."""
+    def tr(args, kwargs, node):
+        kw = {k: v for k, v in kwargs.items() if v is not None and (k, v) != ("pin_memory", False)}
+        return "call_method", name, tuple(args), kw
+    return tr
+
+
 def _binary(fn: Callable) -> Callable[..., Spec]:
     """add/sub with ``alpha`` have no operator form: keep them as aten."""
     def tr(args, kwargs, node):
@@ -220,6 +229,7 @@ TRANSLATIONS: dict[Any, Callable[..., Spec | None]] = {
     aten.sym_size.int: _method("size"),
     aten.flatten.using_ints: _method("flatten"), aten.unflatten.int: _method("unflatten"),
     aten.view_as_complex.default: _function(torch.view_as_complex), aten.view_as_real.default: _function(torch.view_as_real),
+    aten.new_empty.default: _new("new_empty"), aten.new_zeros.default: _new("new_zeros"), aten.new_ones.default: _new("new_ones"),
 }
 
 

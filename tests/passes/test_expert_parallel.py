@@ -87,7 +87,7 @@ class Host(nn.Module):
 
 
 @pytest.mark.parametrize("experts, spec, message", [
-    (Stacked([(4, 8)]), expert_parallel("ep", experts="ffn"), "has no child 'ffn'"),
+    (Stacked([(4, 8)]), expert_parallel("ep", experts="ffn"), "has no submodule 'ffn'"),
     (Stacked([(4, 8), (3, 8)]), expert_parallel("ep"), r"experts.w1 has shape \(3, 8\).*expert dim first"),
     (Stacked([(3, 8)]), expert_parallel("ep"), "3 experts cannot be split evenly over axis 'ep' of size 2"),
     (nn.ModuleList([nn.Linear(2, 2)] * 4), expert_parallel("ep"), r"needs its router: expert_parallel\('ep', router="),

@@ -38,13 +38,15 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import time
 import traceback
 
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
 
 import fxshard
 from fxshard import PlanError
@@ -309,15 +311,17 @@ def _record(path: str, case: FuzzCase, o: Outcome) -> None:
                             "detail": o.detail[-4000:], "expect_equal": case.expect_equal}) + "\n")
 
 
-def _sweep(cases: int, seconds: float, report: list, name: str, collect: str | None = COLLECT) -> Tally:
-    """Run ``cases`` distinct cases (fewer if ``seconds`` run out first)."""
+def _sweep(cases: int, seconds: float, report: list, name: str, collect: str | None = COLLECT,
+           draw_seed: int | None = None) -> Tally:
+    """Run ``cases`` distinct cases (fewer if ``seconds`` run out first).  ``draw_seed``:
+    hypothesis draws from this seed (a shard of the sweep) instead of the test's hash."""
     tally = Tally()
     deadline = time.monotonic() + seconds
     first_failure = []
     seen = set()
 
     # different choice sequences often give the same case: draw twice as many, run each case once
-    @settings(max_examples=2 * cases, derandomize=True, database=None, deadline=None, print_blob=False,
+    @settings(max_examples=2 * cases, derandomize=draw_seed is None, database=None, deadline=None, print_blob=False,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
               phases=[Phase.explicit, Phase.generate] if collect else [Phase.explicit, Phase.generate, Phase.shrink])
     @given(case=fuzz_cases())
@@ -339,6 +343,8 @@ def _sweep(cases: int, seconds: float, report: list, name: str, collect: str | N
             note(o.detail)
             raise AssertionError(f"{o.kind}: {o.what}")
 
+    if draw_seed is not None:
+        prop = seed(draw_seed)(prop)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only contend (2 shared cores in CI)
     trace_log = logging.getLogger("torch.__trace")  # export's structured trace: thousands of DEBUG records a case
@@ -360,12 +366,53 @@ def test_fuzz_quick(fuzz_report):
     assert tally.counts["crash"] == 0 and tally.counts["wrong"] == 0, tally.line()
 
 
+SHARD_RESULT = "fxshard fuzz shard result: "
+
+
 @pytest.mark.slow
 def test_fuzz_sweep(fuzz_report):
-    """>= 1000 random models x plans with a fixed seed; stops drawing after
-    FXSHARD_FUZZ_SECONDS.  Every case must be equal or a clean PlanError."""
-    tally = _sweep(SWEEP_CASES, SWEEP_SECONDS, fuzz_report, "sweep")
-    assert tally.counts["crash"] == 0 and tally.counts["wrong"] == 0, tally.line()
-    assert tally.counts["cases"] >= SWEEP_MIN, (
-        f"only {tally.counts['cases']} cases ran within FXSHARD_FUZZ_SECONDS={SWEEP_SECONDS:.0f}; "
+    """>= 1000 random models x plans with fixed seeds; stops drawing after
+    FXSHARD_FUZZ_SECONDS.  Every case must be equal or a clean PlanError.
+
+    The sweep is single-threaded, so it runs as two shards side by side: half the cases
+    here (hypothesis seed 0), half in a child process (seed 1, see ``_shard_main``)."""
+    half = SWEEP_CASES // 2
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    child = subprocess.Popen([sys.executable, __file__, "1", str(SWEEP_CASES - half), str(SWEEP_SECONDS)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": path})
+    try:
+        tally = _sweep(half, SWEEP_SECONDS, fuzz_report, "sweep shard 0", draw_seed=0)
+    except BaseException:
+        child.kill()
+        raise
+    out, _ = child.communicate(timeout=SWEEP_SECONDS + 600)
+    results = [line[len(SHARD_RESULT):] for line in out.splitlines() if line.startswith(SHARD_RESULT)]
+    assert results, f"the fuzz shard in the child process reported nothing (exit {child.returncode}):\n{out[-4000:]}"
+    other = json.loads(results[-1])
+    fuzz_report.extend(other["lines"])
+    assert other["failure"] is None, f"fuzz shard 1: {other['failure']}\n{out[-6000:]}"
+    counts = tally.counts + collections.Counter(other["counts"])
+    fuzz_report.append(f"fxshard fuzz [sweep]: {counts['cases']} cases, {counts['equal']} equal, {counts['planerror']} "
+                       f"PlanError, {counts['crash']} crash, {counts['wrong']} silently wrong")
+    assert counts["crash"] == 0 and counts["wrong"] == 0, fuzz_report[-1]
+    assert counts["cases"] >= SWEEP_MIN, (
+        f"only {counts['cases']} cases ran within FXSHARD_FUZZ_SECONDS={SWEEP_SECONDS:.0f}; "
         f"at least {SWEEP_MIN} are required (raise the budget on a slow machine)")
+
+
+def _shard_main(shard: int, cases: int, seconds: float) -> None:
+    """A shard of the sweep in its own process: prints its tally (and its first failure,
+    shrunk, with the reproducer hypothesis notes above it) as one JSON line."""
+    report: list[str] = []
+    failure = None
+    try:
+        tally = _sweep(cases, seconds, report, f"sweep shard {shard}", draw_seed=shard)
+    except AssertionError as e:
+        tally, failure = None, str(e)
+    counts = dict(tally.counts) if tally is not None else {}
+    print(SHARD_RESULT + json.dumps({"counts": counts, "lines": report, "failure": failure}), flush=True)
+
+
+if __name__ == "__main__":  # python test_fuzz.py SHARD CASES SECONDS (test_fuzz_sweep's child)
+    _shard_main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))

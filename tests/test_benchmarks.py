@@ -76,7 +76,8 @@ def test_step_time_hf_llama(results):
 def test_communication(results):
     out = results / "communication.json"
     text = _run([str(BENCH / "communication.py"), "--tp", "2", "--cases",
-                 "llama_dense,llama_sp_loss_parallel,gpt2_dense,moe_expert_parallel", "--out", str(out)])
+                 "llama_dense,llama_sp_loss_parallel,gpt2_dense,moe_expert_parallel,hf_mixtral_ep_dispatch",
+                 "--out", str(out)])
     assert "minimum" in text
     rows = {(r["case"], r["contender"]): r for r in _results(out)}
     dense = rows["llama_dense", "fxshard"]
@@ -95,6 +96,10 @@ def test_communication(results):
     moe = rows["moe_expert_parallel", "fxshard"]
     assert (moe["forward"], moe["static_ok"], moe["loss_ok"]) == (6, "yes", "yes")
     assert moe["by_kind"].endswith("+ 10 A2A") and moe["wire_vs_min"] == pytest.approx(1.0)
+    # HF Mixtral with its batch-sharded tokens dispatched (routed_experts(dispatch="all_to_all")): the same scheme
+    hf = rows["hf_mixtral_ep_dispatch", "fxshard"]
+    assert (hf["forward"], hf["backward"], hf["static_ok"], hf["loss_ok"]) == (6, 5, "yes", "yes")
+    assert hf["by_kind"].endswith("+ 10 A2A") and hf["wire_vs_min"] == pytest.approx(1.0)
 
 
 def test_transform_time(results):

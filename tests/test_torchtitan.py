@@ -11,7 +11,7 @@ pytest.importorskip("torchtitan")
 
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
-from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3
+from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3, tiny_qwen3_moe
 
 V = 128
 
@@ -86,8 +86,14 @@ def test_torchtitan_deepseek_v3_mla_simulated(sp):
     assert ".expand([-1, -1, 2, -1])" in sharded.code  # 4 heads, 2 per rank
 
 
-def test_torchtitan_moe_under_tp_alone_is_a_plan_error():
-    """torchtitan's TP-only MoE (experts sharded on their hidden dim inside its local_map
-    region) is not converted; expert parallelism is (tests/test_torchtitan_moe.py)."""
-    with pytest.raises(fxshard.PlanError, match="'layers.1.moe.routed_experts' \\(RoutedExperts\\): local_map"):
-        fxshard.Plan.from_torchtitan(fxshard.MeshSpec(("tp",), (2,)), tiny_deepseek_v3())
+@pytest.mark.parametrize("factory, sp", [(tiny_qwen3_moe, True), (tiny_deepseek_v3, False)],
+                         ids=["qwen3_moe-sp", "deepseek_v3-tp-only"])
+def test_torchtitan_moe_under_tp_simulated(factory, sp):
+    """torchtitan's TP-only MoE: ``RoutedExperts`` is its local_map region, the grouped
+    experts sharded on their hidden dim, the output each rank's partial sum; shared experts
+    colwise/rowwise.  atol 1e-4: torchtitan's experts compute in bfloat16, so each rank's
+    partial sum is rounded before the all-reduce adds them."""
+    sharded = check_simulated(factory, lambda mesh: fxshard.Plan.from_torchtitan(mesh, factory(), sequence_parallel=sp),
+                              (IDS,), {"tp": 2}, loss_fn=cross_entropy, targets=(TGT,), atol=1e-4)
+    w1 = next(n for n, _ in sharded.named_parameters() if n.endswith("inner_experts.w1_EFD"))
+    assert tuple(sharded.get_parameter(w1).shape) == (4, 16, 64)  # every expert, half of its hidden dim

@@ -41,6 +41,10 @@ torchtitan's ``AllToAllTokenDispatcher``), and the batch is sharded over ``ep``,
 torchtitan's data loader shards it over the ranks ``ep`` is carved from.  The router
 and shared experts run inside the region on the rank's own tokens.  torchtitan's
 ``tokens_per_expert_E`` buffer (declared ``Partial`` there) counts the rank's tokens.
+On a ``tp`` mesh (no ``ep``) torchtitan shards each expert on its hidden dim inside its
+``RoutedExperts`` ``local_map`` region: that region becomes an fxshard local region
+with the experts' shards as its ``params``, Replicate tokens in, a ``Partial`` output;
+router, shared experts and attention follow torchtitan's TP plan.
 """
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_a
                 specs[fqn] = spec
         if not loss_parallel:
             specs = _gather_logits(specs, axis)
+        specs = _states_into_regions(specs)
     specs.update(ep_regions)
     if ep_regions and inputs is None:
         inputs = {_forward_args(model)[0]: {ep_axis: Shard(0)}}
@@ -205,6 +210,8 @@ def spec_from_sharding_config(config, module: nn.Module, axis: str, fqn: str) ->
         # rowwise("tp", out=Shard(1))
     """
     where = f"torchtitan sharding_config of {fqn!r} ({type(module).__name__})"
+    if config.local_map is not None and _is_routed_experts(module):
+        return _routed_experts_region(config, module, axis, where)
     if config.local_map is not None and not _local_map_has_equivalent(module):
         raise PlanError(f"{where}: local_map (the module's own code computes on local shards) has no fxshard "
                         f"equivalent for {type(module).__name__}: fxshard rewrites the single-device code and knows how "
@@ -337,6 +344,52 @@ def _as_preset(spec: ModuleSpec, module: nn.Module, axis: str) -> ModuleSpec | N
         spec = seq_norm(axis, dim=src.dim)
         return spec if out_dst in (None, out_src) else replace(spec, out_dst={axis: out_dst})
     return None
+
+
+def _states_into_regions(specs: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
+    """A local region is opaque: the states torchtitan declares on a module inside one
+    (the grouped experts' shards) become the region's own ``params``, by relative name."""
+    out = dict(specs)
+    for region, spec in specs.items():
+        if not spec.local:
+            continue
+        params = dict(spec.params)
+        for fqn, inner in specs.items():
+            if fqn.startswith(region + "."):
+                if inner.inputs or inner.in_src or inner.out_src or inner.out_dst:
+                    raise PlanError(f"torchtitan sharding_config of {fqn!r}: it declares activations inside the local_map "
+                                    f"region {region!r}, which fxshard runs as one opaque call")
+                params.update({f"{fqn[len(region) + 1:]}.{name}": layout for name, layout in inner.params.items()})
+                del out[fqn]
+        out[region] = replace(spec, params=params)
+    return out
+
+
+def _is_routed_experts(module: nn.Module) -> bool:
+    from torchtitan.models.common.moe import RoutedExperts
+
+    return isinstance(module, RoutedExperts)
+
+
+def _routed_experts_region(config, module: nn.Module, axis: str, where: str) -> ModuleSpec:
+    """torchtitan's TP-only MoE: ``RoutedExperts`` is a ``local_map`` region on the
+    tokens as they arrive (Replicate over ``tp``) whose grouped experts hold their
+    hidden-dim shard (``inner_experts`` states ``S(1)``/``S(2)``, a plan entry of their
+    own); its output is each rank's partial sum (``Partial``).  The same in fxshard: an
+    opaque local region with those layouts declared -- ``GroupedExperts`` sizes its
+    grouped matmuls by its weights, so the local code is the single-device code.  The
+    tokens' and routing weights' gradients (Partial) are summed by ``grad_sync``."""
+    spec = ModuleSpec(
+        inputs=_args(config.in_dst_shardings, module, axis, f"{where} in_dst_shardings"),
+        in_src=_args(config.in_src_shardings, module, axis, f"{where} in_src_shardings"),
+        out_src=_outs(config.out_src_shardings, axis, f"{where} out_src_shardings"),
+        out_dst=_outs(config.out_dst_shardings, axis, f"{where} out_dst_shardings"),
+        local=True, style="torchtitan local_map",
+    )
+    if spec.out_src != {axis: Partial()} or any(p != R for p in _placements(replace(spec, out_src=None, out_dst=None))):
+        raise PlanError(f"{where}: fxshard converts torchtitan's routed experts under TP with Replicate tokens in and a "
+                        f"Partial output (experts sharded on their hidden dim); this config declares {spec}")
+    return spec
 
 
 def _local_map_has_equivalent(module: nn.Module) -> bool:

@@ -9,7 +9,7 @@ pytest.importorskip("torchtitan")
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
 from fxshard.frontend.torchtitan_plan import plan_from_torchtitan, torchtitan_sharding_configs
@@ -143,6 +143,17 @@ def test_ep_tp_mesh_shards_dense_modules_over_tp_and_experts_over_ep():
     assert plan.specs["layers.*.attention.wo"] == rowwise("tp", out=Shard(1))
     assert not [p for p in plan.specs if p.startswith("layers.*.moe.")]  # the region runs as is inside
     assert plan.inputs == {"tokens": {"ep": Shard(0), "tp": R}}
+
+
+def test_tp_mesh_makes_torchtitans_routed_experts_one_local_region():
+    """TP-only MoE: torchtitan's local_map region with the grouped experts' hidden-dim
+    shards folded in (a local region is opaque), Replicate tokens in, a Partial output."""
+    plan = plan_from_torchtitan(TP2, tiny_qwen3_moe(), sequence_parallel=False)
+    spec = plan.specs["layers.*.moe.routed_experts"]
+    assert spec.local and spec.out_src == {"tp": Partial()} and spec.out_dst == {"tp": Partial()}
+    assert spec.params == {"inner_experts.w1_EFD": {"tp": Shard(1)}, "inner_experts.w2_EDF": {"tp": Shard(2)},
+                           "inner_experts.w3_EFD": {"tp": Shard(1)}}
+    assert spec.inputs["x_BLD"] == {"tp": R} and "layers.*.moe.routed_experts.inner_experts" not in plan.specs
 
 
 def test_ep_mesh_on_a_dense_model_is_a_plan_error(model):

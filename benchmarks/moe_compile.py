@@ -2,7 +2,10 @@
 step against eager.
 
 For each family and mesh, on 2 real gloo ranks: the tiny model
-(:func:`fxshard.testing.hf_tiny.tiny_model`) sharded with ``Plan.from_hf``;
+(:func:`fxshard.testing.hf_tiny.tiny_model`) sharded with ``Plan.from_hf`` (``ep2``,
+``tp2``), or with the batch sharded over ep and its tokens dispatched to their experts'
+ranks (``ep2-dispatch``: ``routed_experts(dispatch="all_to_all")``, a loss of the logits,
+``torch._dynamo.config.capture_scalar_outputs`` on for the all-to-all splits);
 ``torch._dynamo.explain`` counts the graphs and graph breaks of the transformed module
 (each reason listed with its source line); then ``torch.compile(..., backend="aot_eager",
 fullgraph=True)`` runs forward + backward and its loss and gradients are compared with
@@ -26,7 +29,22 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness import make_mesh, spawn  # noqa: E402
 
 
-MESHES = {"ep2": {"ep": 2}, "tp2": {"tp": 2}}
+MESHES = {"ep2": {"ep": 2}, "tp2": {"tp": 2}, "ep2-dispatch": {"ep": 2}}
+
+
+def _setup(mesh, mesh_name: str, model, rank: int):
+    """(plan, example kwargs, this rank's kwargs, loss of the output) for one mesh."""
+    import fxshard
+    from fxshard.testing.hf_tiny import tiny_inputs
+    from torch.distributed.tensor import Shard
+
+    ids, labels = tiny_inputs()
+    if mesh_name != "ep2-dispatch":
+        kw = {"input_ids": ids, "labels": labels}
+        return fxshard.Plan.from_hf(mesh, model), kw, kw, lambda out: out.loss
+    spec = fxshard.routed_experts(ep="ep", tokens=Shard(0), dispatch="all_to_all")
+    plan = fxshard.Plan(mesh, {"model.layers.*.mlp.experts": spec}, inputs={"input_ids": {"ep": Shard(0)}})
+    return plan, {"input_ids": ids}, {"input_ids": ids.chunk(2)[rank]}, lambda out: out.logits.float().pow(2).mean()
 
 
 def _worker(rank: int, world: int, families: list[str], meshes: list[str], out: str) -> None:
@@ -36,16 +54,18 @@ def _worker(rank: int, world: int, families: list[str], meshes: list[str], out: 
     import torch._dynamo
 
     import fxshard
-    from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+    from fxshard.testing.hf_tiny import tiny_model
 
     rows = []
     for mesh_name in meshes:
         mesh = make_mesh(MESHES[mesh_name])
         for family in families:
             model = tiny_model(family)
-            ids, labels = tiny_inputs()
-            kw = {"input_ids": ids, "labels": labels}
-            gm = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs=kw)
+            plan, example, kw, loss_of = _setup(mesh, mesh_name, model, rank)
+            gm = fxshard.transform(model, plan, example_kwargs=example)
+            # the all-to-all splits are read from the exchanged counts (.tolist()): as unbacked
+            # sizes dynamo keeps them in the graph; without this they break it (data-dependent)
+            torch._dynamo.config.capture_scalar_outputs = mesh_name == "ep2-dispatch"
             torch._dynamo.reset()
             ex = torch._dynamo.explain(gm)(**kw)
             reasons = {}
@@ -54,19 +74,19 @@ def _worker(rank: int, world: int, families: list[str], meshes: list[str], out: 
                 key = f"{os.path.basename(frame.filename)}:{frame.lineno}: " if frame else ""
                 key += str(b.reason).splitlines()[0][:160]
                 reasons[key] = reasons.get(key, 0) + 1
-            eager = gm(**kw)
-            eager.loss.backward()
+            eager = loss_of(gm(**kw))
+            eager.backward()
             grads = {n: p.grad.clone() for n, p in gm.named_parameters() if p.grad is not None}
             for p in gm.parameters():
                 p.grad = None
             torch._dynamo.reset()
             fullgraph = ex.graph_break_count == 0
             compiled = torch.compile(gm, backend="aot_eager", fullgraph=fullgraph)
-            got = compiled(**kw)
-            got.loss.backward()
+            got = loss_of(compiled(**kw))
+            got.backward()
             grad_diff = max((p.grad - grads[n]).abs().max().item() for n, p in gm.named_parameters() if n in grads)
             rows.append(dict(family=family, mesh=mesh_name, graphs=ex.graph_count, breaks=ex.graph_break_count,
-                             reasons=reasons, fullgraph=fullgraph, loss_diff=abs(float(got.loss - eager.loss)),
+                             reasons=reasons, fullgraph=fullgraph, loss_diff=abs(float(got - eager)),
                              grad_diff=grad_diff))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -75,7 +95,7 @@ def _worker(rank: int, world: int, families: list[str], meshes: list[str], out: 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", default="mixtral,qwen2_moe,qwen3_moe,deepseek_v3")
-    p.add_argument("--meshes", default="ep2,tp2", help=f"comma-separated, of {sorted(MESHES)}")
+    p.add_argument("--meshes", default="ep2,tp2,ep2-dispatch", help=f"comma-separated, of {sorted(MESHES)}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import json

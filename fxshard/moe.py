@@ -424,10 +424,14 @@ def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, counts_ep: torch.Tensor, 
     _no_simulation("ep_dispatch")
     n, per_rank = counts_ep.shape
     send, recv = torch.stack([counts.reshape(n, per_rank).sum(1), counts_ep.sum(1)]).tolist()
-    if x.size(0) != sum(send):
+    if torch.compiler.is_compiling():  # the splits are unbacked sizes there: assert, do not branch on them
+        torch._check(x.size(0) == sum(send), lambda: "fxshard.ep_dispatch: the token count and the counts differ")
+    elif x.size(0) != sum(send):
         raise ValueError(f"fxshard.ep_dispatch: {x.size(0)} tokens but the counts add up to {sum(send)}")
     # Received rows come by source rank, then expert; the experts want them by expert.
-    segment = torch.repeat_interleave(torch.arange(n * per_rank, device=x.device), counts_ep.reshape(-1).to(x.device))
+    # (each received row's (source rank, expert) segment, by a search: no data-dependent output shape)
+    bounds = counts_ep.reshape(-1).to(x.device).cumsum(0)
+    segment = torch.searchsorted(bounds, torch.arange(sum(recv), device=x.device), right=True)
     perm = torch.argsort((segment % per_rank) * n + segment // per_rank, stable=True)
     plan = EPPlan(send, recv, perm)
     return _Dispatch.apply(x, ax, plan), counts_ep.sum(0), plan

@@ -330,11 +330,13 @@ def dispatched_experts_forward(spec: RoutedExpertsSpec, n_experts: int, n_local:
             k = top_k_index.shape[-1]
             flat = top_k_index.reshape(-1)
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=n_experts)
+            # (static shapes for torch.compile: a scatter-add, not bincount; a search, not repeat_interleave)
+            counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add(0, flat, torch.ones_like(flat))
             token = order // k
             counts_ep = ep_exchange_counts(counts, axis)
             x, local_counts, plan = ep_dispatch(hidden_states[token], counts, counts_ep, axis)
-            expert = torch.repeat_interleave(torch.arange(n_local, device=x.device), local_counts.to(x.device))
+            rows = torch.arange(x.shape[0], device=x.device)
+            expert = torch.searchsorted(local_counts.to(x.device).cumsum(0), rows, right=True)  # each row's local expert
             ones = torch.ones(x.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
             y = ep_combine(base(self, x, expert[:, None], ones, *args, **kwargs), plan, axis)
             w = top_k_weights.reshape(-1)[order].to(y.dtype)

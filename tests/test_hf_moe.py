@@ -158,10 +158,10 @@ def _count_all_to_alls(sharded, mesh, rank, world_size):
 
 
 def test_hf_moe_real_gloo_ep2():
-    """2 gloo ranks: Mixtral at ep=2 with HF's plan (tokens replicated); Qwen3-MoE and
-    DeepSeek-V3 (rank 1's experts never chosen) with the batch sharded over ep and the
-    tokens dispatched to their experts' ranks."""
-    check_real_cases(2, [_case("mixtral", {"ep": 2}), _dispatch_case("qwen3_moe", {"ep": 2}),
+    """2 gloo ranks: Mixtral and Qwen3-MoE at ep=2 with HF's plan (tokens replicated);
+    Qwen3-MoE and DeepSeek-V3 (rank 1's experts never chosen) with the batch sharded over
+    ep and the tokens dispatched to their experts' ranks."""
+    check_real_cases(2, [_case("mixtral", {"ep": 2}), _case("qwen3_moe", {"ep": 2}), _dispatch_case("qwen3_moe", {"ep": 2}),
                          _dispatch_case("deepseek_v3", {"ep": 2}, starve=1, post=_count_all_to_alls)])
 
 

@@ -183,7 +183,12 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     stage = "Plan.from_hf"
     try:
-        plan = fxshard.Plan.from_hf(mesh, model)
+        if PLAN["maker"] == "auto":
+            stage = "auto_plan"
+            plan = fxshard.auto_plan(model, mesh, example_kwargs={"input_ids": ids, "labels": labels})
+            hf_wire_bytes(model, mesh, ids, labels, row)
+        else:
+            plan = fxshard.Plan.from_hf(mesh, model)
         stage = "transform"
         sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
     except fxshard.PlanError as e:
@@ -194,7 +199,7 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
         if stage == "transform":
             row["captured"] = "no" if "capturing" in first_line(e) and "torch.export" in first_line(e) else "yes"
         check_side_effects(model, snapshot, family, stage, findings)
-        if stage == "Plan.from_hf":  # refused before capture: does the model capture at all?
+        if stage in ("Plan.from_hf", "auto_plan"):  # refused before capture: does the model capture at all?
             capture_only.last_error = None
             row["captured"] = capture_only(model, ids, labels)
             if capture_only.last_error:
@@ -218,6 +223,9 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
     row["fxshard_fwd"], row["fxshard_bwd"] = summary.count("forward"), summary.count("backward")
     row["fxshard_comm"] = f"{row['fxshard_fwd']}+{row['fxshard_bwd']}={row['fxshard_fwd'] + row['fxshard_bwd']}"
     row["fxshard_comm_bytes"] = summary.nbytes()
+    row["fxshard_wire"] = sum(r.wire_bytes for r in summary.select())
+    if row.get("hf_plan_wire"):
+        row["wire_vs_hf_plan"] = row["fxshard_wire"] / row["hf_plan_wire"]
     try:
         world = math.prod(mesh_shape.values())
         in_layouts = {k: plan.inputs.get(k, {}) for k in ("input_ids", "labels")}
@@ -284,6 +292,20 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
                                    f"grads {grads_diff:.3g} (worst: {row['worst_grad']})"))
     if row["fxshard_measured"] != f"{row['fxshard_fwd']}+{row['fxshard_bwd']}":
         row["comm_mismatch"] = True
+
+
+PLAN = {"maker": "hf"}  # --plan: which plan run_fxshard uses
+
+
+def hf_wire_bytes(model, mesh, ids, labels, row: dict) -> None:
+    """The wire bytes per step of ``Plan.from_hf``'s plan, transformed (not run): what
+    ``auto_plan`` is compared with."""
+    try:
+        hf = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs={"input_ids": ids, "labels": labels})
+        row["hf_plan_wire"] = sum(r.wire_bytes for r in fxshard.comm_summary(hf).select())
+    except fxshard.PlanError as e:
+        row["hf_plan_wire"] = None
+        row["hf_plan_error"] = first_line(e)
 
 
 def check_side_effects(model, snapshot: dict, family: str, stage: str, findings: list) -> None:
@@ -465,6 +487,8 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=1e-4, help="exact: every max |diff| at most this")
     p.add_argument("--timeout", type=float, default=300, help="seconds per family (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip HF's own tensor parallelism")
+    p.add_argument("--plan", choices=("hf", "auto"), default="hf",
+                   help="hf: Plan.from_hf; auto: fxshard.auto_plan, with Plan.from_hf's wire bytes to compare")
     p.add_argument("--quiet", action="store_true", help="no line per family while running")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -473,6 +497,10 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    PLAN["maker"] = args.plan
+    if args.plan == "auto":
+        COLUMNS[-1:-1] = [("hf_plan_wire", "wire B HF plan", ""), ("fxshard_wire", "wire B auto_plan", ""),
+                          ("wire_vs_hf_plan", "auto/HF", ".2f")]
     families = args.families.split(",") if args.families else decoder_families()
     if args.ep and not args.families:
         from fxshard.testing.hf_tiny import config_class
@@ -499,6 +527,10 @@ def main(argv=None) -> int:
     print(markdown(rows) if args.markdown else table(rows, COLUMNS))
     print()
     print(summary_line(s))
+    if args.plan == "auto":
+        compared = [r for r in rows if r.get("wire_vs_hf_plan") is not None]
+        print(f"auto_plan vs Plan.from_hf (wire bytes per step): at most HF's on {sum(r['wire_vs_hf_plan'] <= 1 for r in compared)}"
+              f"/{len(compared)}, strictly less on {sum(r['wire_vs_hf_plan'] < 1 for r in compared)}/{len(compared)}")
     print(f"sweep: {total:.0f} s")
     notes = [r for r in rows if r.get("hf_error")]
     if notes:

@@ -15,9 +15,11 @@ Example::
 """
 from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
 from .mesh import MeshSpec
-from .plan import ContextParallel, ModuleSpec, Plan, colwise, context_parallel, rowwise, sequence_parallel, vocab_parallel
+from .plan import (ContextParallel, ModuleSpec, Plan, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel,
+                   vocab_parallel)
 from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, reduce_scatter, shard
 from .trace import trace
+from .auto_plan import auto_plan
 from .transform import transform
 from .fsdp import fully_shard
 from .dump import dump
@@ -34,7 +36,7 @@ from .hf_checkpoint import load_hf_checkpoint
 from .checkpoint import load, save
 
 __all__ = [
-    "Plan", "ModuleSpec", "MeshSpec", "colwise", "rowwise", "sequence_parallel", "vocab_parallel",
+    "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
     "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",

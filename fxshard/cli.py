@@ -15,7 +15,8 @@ literal arguments (each value is read with ``ast.literal_eval``).
 * the model factory returns an ``nn.Module``;
 * the plan is a dict ``{pattern: ModuleSpec}``, a ``Plan``, a factory returning one of
   those (called with the given arguments, or with none), or a function of the mesh
-  (one required parameter) returning one of those;
+  (one required parameter) returning one of those; ``--plan auto`` is
+  :func:`fxshard.auto_plan` on the mesh's first axis (the plan found goes to stderr);
 * ``--example`` returns the single-device inputs (a tuple, or one tensor).  Without
   it, a model with ``.args.vocab_size`` gets ``tokens(2, 8, vocab_size)``.
 
@@ -50,7 +51,8 @@ def add_dump_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("model", metavar="MODULE:FACTORY",
                         help="model factory, e.g. 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)'")
     parser.add_argument("--plan", required=True, metavar="MODULE:PLAN",
-                        help="plan dict / Plan / factory of one / function of the mesh, e.g. fxshard.testing.models:llama_plan")
+                        help="plan dict / Plan / factory of one / function of the mesh, e.g. fxshard.testing.models:llama_plan; "
+                             "'auto': fxshard.auto_plan on the mesh's first axis (printed to stderr)")
     parser.add_argument("--mesh", required=True, metavar="AXIS=SIZE[,AXIS=SIZE]", help="e.g. tp=4 or dp=2,tp=4")
     parser.add_argument("--example", metavar="MODULE:INPUTS",
                         help="factory of the single-device example inputs (default: tokens(2, 8, vocab) for a model with .args.vocab_size)")
@@ -234,7 +236,13 @@ def run_dump(args: argparse.Namespace) -> int:
         mesh = parse_mesh(args.mesh)
         model = load_model(args.model)
         inputs = load_inputs(args.example, model)
-        plan = load_plan(args.plan, mesh)
+        if args.plan == "auto":  # fxshard.auto_plan on the first axis; the plan it found goes to stderr
+            from .auto_plan import auto_plan
+
+            plan = auto_plan(model, mesh, inputs, axis=next(iter(mesh.names)))
+            print(repr(plan), file=sys.stderr)
+        else:
+            plan = load_plan(args.plan, mesh)
         text = _transform_and_render(model, plan, inputs, args)
     except PlanError as e:
         print(f"fxshard dump: the plan does not fit the model:\n{e}", file=sys.stderr)

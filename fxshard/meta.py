@@ -32,6 +32,9 @@ carry this same metadata) or ``"as is: <why fx could not trace it>"``;
 the :class:`fxshard.plan.ContextParallel` and FQN of the innermost context-parallel module
 around a node; ``extra["mean_axes"]`` (written by the cross-entropy rule): the
 context-parallel axes a mean loss is taken over (``global_mean_loss``, ``loss_parallel``).
+``extra["distributed_norm"]`` (written by ``regions``, read by ``distributed_norm``): the
+axis of the ``fxshard.distributed_norm`` module around a node; that pass's statistic
+markers are ``region_output`` nodes whose :class:`Boundary` has kind ``"statistic"``.
 ``rewrite`` values: ``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
 ``global_mean``, ``context_parallel``, ``arange_offset``, ``narrow_positions``.
 
@@ -90,7 +93,7 @@ class Boundary:
 
     fqn: str
     name: str  # argument name (inputs) or output name
-    kind: str  # "input" | "output"
+    kind: str  # "input" | "output" | "statistic" (a distributed_norm mean: dst applies where it is Partial)
     required: dict | None = None  # input: layout required on entry
     expected: dict | None = None  # input: layout the preset says arrives (checked)
     src: dict | None = None  # output: layout the module produces (checked)

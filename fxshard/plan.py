@@ -47,6 +47,8 @@ class ModuleSpec:
                 each part is sharded on its own, so every rank holds its slice of every part.
       context_parallel: a :class:`ContextParallel`: the attention inside this module runs
                 on a sequence sharded over its axis (:func:`context_parallel`).
+      distributed_norm: a mesh axis: the norm statistics this module reduces over a dim
+                sharded on that axis are all-reduced (:func:`distributed_norm`).
       style:    name of the preset that built the spec (for printing).
 
     Example::
@@ -66,6 +68,7 @@ class ModuleSpec:
     optional_params: tuple[str, ...] = ()
     splits: tuple[int, ...] | None = None
     context_parallel: "ContextParallel | None" = None
+    distributed_norm: str | None = None
     style: str | None = field(default=None, compare=False)  # a name for printing: a preset equals its spelled-out spec
 
     def __post_init__(self):
@@ -94,6 +97,8 @@ class ModuleSpec:
             parts.append(f"splits={list(self.splits)}")
         if self.context_parallel is not None:
             parts.append(f"context_parallel={self.context_parallel!r}")
+        if self.distributed_norm is not None:
+            parts.append(f"distributed_norm={self.distributed_norm!r}")
         if self.local:
             parts.append("local=True")
         if self.compute is not None:
@@ -168,6 +173,30 @@ def sequence_parallel(axis: str = "tp", dim: int = 1) -> ModuleSpec:
     Example: ``{"layers.*.attention_norm": sequence_parallel()}``
     """
     return ModuleSpec(inputs={axis: Shard(dim)}, out_src={axis: Shard(dim)}, style="sequence_parallel")
+
+
+def distributed_norm(axis: str = "tp", dim: int = -1) -> ModuleSpec:
+    """A norm over a dim that stays sharded on ``axis``: OLMo2's q/k norms over the whole
+    projected width, right after a colwise ``q_proj``.
+
+    The input must arrive ``Shard(dim)`` (a colwise output) and the output leaves
+    ``Shard(dim)``; the weight and bias are ``Shard(0)``, each rank holding the part
+    that scales its columns.  Every mean or sum this module takes over the sharded dim
+    (``F.rms_norm``/``F.layer_norm`` are written out as means first) is all-reduced:
+    one all-reduce of a ``[..., 1]`` tensor for an RMS norm, two (mean, variance) for
+    a layer norm, and as many in backward; no activation is gathered.
+
+    Example: ``{"model.layers.*.self_attn.q_proj": colwise(), "model.layers.*.self_attn.q_norm": distributed_norm()}``
+    """
+    return ModuleSpec(
+        params={"weight": {axis: Shard(0)}, "bias": {axis: Shard(0)}},
+        inputs={axis: Shard(dim)},
+        in_src={axis: Shard(dim)},
+        out_src={axis: Shard(dim)},
+        optional_params=("weight", "bias"),
+        distributed_norm=axis,
+        style="distributed_norm",
+    )
 
 
 def vocab_parallel(axis: str = "tp", *, out: Placement = Replicate()) -> ModuleSpec:
@@ -345,6 +374,9 @@ class Plan:
         return out
 
     def _check_spec(self, pattern: str, spec: ModuleSpec) -> None:
+        if spec.distributed_norm is not None and spec.distributed_norm not in self.axes:
+            raise PlanError(f"plan entry {pattern!r}: distributed_norm axis {spec.distributed_norm!r} is not an axis of the mesh, "
+                            f"whose axes are {list(self.axes)}; name the axis the normalized dim is sharded on")
         cp = spec.context_parallel
         if cp is not None:
             if cp.axis not in self.axes:

@@ -180,7 +180,7 @@ def pointwise(kind: str | None = None, tensor_positions: tuple[int, ...] | None 
                     raise ctx.fail(
                         f"{_name(ctx.node)} {why}: it cannot run on a Partial (unreduced) value on axis {axis!r} "
                         f"(Partial from {', '.join(_origin(a) for a, _ in partial)})",
-                        reduce_fix(axis))
+                        _statistic_fix(partial[0][0], axis) or reduce_fix(axis))
                 return partial[0][1].layout[axis]
             if not shard_dims:
                 return R
@@ -210,6 +210,28 @@ def _origin(node: fx.Node) -> str:
         kind = "output" if node.target.__name__ == "region_output" else "input"
         return f"the {kind} of module `{node.args[1]}`"
     return f"`{node.name}`"
+
+
+def _statistic_fix(a: fx.Node, axis: str) -> str | None:
+    """The fix for a Partial that a mean or sum over a sharded dim made (a norm's
+    statistic, ``x.pow(2).mean(-1)``): the plan can ask for that reduction."""
+    seen = 0
+    while isinstance(a, fx.Node) and seen < 8:
+        meta = a.meta.get(KEY)
+        if meta is None or not isinstance(meta.value, TensorInfo) or not isinstance(meta.value.layout[axis], Partial):
+            return None
+        if a.target in ("mean", "sum", torch.mean, torch.sum):
+            src = a.args[0].meta[KEY].value if isinstance(a.args[0], fx.Node) and KEY in a.args[0].meta else None
+            if not isinstance(src, TensorInfo) or not isinstance(src.layout[axis], Shard):
+                return None
+            stack = list((a.meta.get("nn_module_stack") or {}).values())
+            module = meta.region or (stack[-1][0] if stack else "its module")
+            return (f"`{a.name}` reduces dim {src.layout[axis].dim}, which is sharded on {axis!r}: for a norm over that dim "
+                    f"plan {module!r} as fxshard.distributed_norm({axis!r}) (its statistics are all-reduced), or make "
+                    f"that dim Replicate before the module")
+        tensors = [x for x in a.all_input_nodes if isinstance(getattr(x.meta.get(KEY), "value", None), TensorInfo)]
+        a, seen = (tensors[0] if tensors else None), seen + 1
+    return None
 
 
 def _name(node: fx.Node) -> str:
@@ -602,7 +624,9 @@ def norm(weight_positions: tuple[tuple[int, str], ...]):
                 raise ctx.fail(f"normalization of a Partial value on axis {axis!r}", reduce_fix(axis))
             if isinstance(p, Shard) and p.dim >= nd - k:
                 raise ctx.fail(f"the norm reduces over dim {p.dim}, which is sharded on {axis!r}",
-                               f"give the norm a Replicate input on {axis!r}, or sequence_parallel({axis!r}) to shard the sequence instead")
+                               f"give the norm a Replicate input on {axis!r}, sequence_parallel({axis!r}) to shard the sequence "
+                               f"instead, or plan {ctx.node.meta[KEY].region or 'its module'!r} as fxshard.distributed_norm({axis!r}) "
+                               f"to normalize the sharded dim with all-reduced statistics")
             for a, ti in weights:
                 if not isinstance(ti.layout[axis], Replicate):
                     raise ctx.fail(f"norm parameter `{a.name}` is {fmt_placement(ti.layout[axis])} on {axis!r}", "keep norm parameters Replicate")
@@ -1101,12 +1125,36 @@ def getitem(ctx: Ctx):
             raise ctx.fail(f"indexing selects single entries of dim {p.dim}, which is sharded on {axis!r}", "make that dim Replicate before indexing")
         if isinstance(m, tuple):
             o, s = m
-            if s != slice(None):
-                raise ctx.fail(f"slicing dim {p.dim}, which is sharded on {axis!r}", "slice a Replicate dim, or slice before sharding")
+            if s != slice(None) and block_slice(v, p.dim, s) is None:
+                if v.blocks is not None and v.shape[p.dim] == sum(v.blocks):
+                    raise ctx.fail(f"slicing dim {p.dim} (sharded on {axis!r}, made of the parts {list(v.blocks)}) at {s.start}:{s.stop}, "
+                                   f"not at the parts' boundaries", "slice whole parts, or give colwise(splits=...) the parts this code slices")
+                raise ctx.fail(f"slicing dim {p.dim}, which is sharded on {axis!r}",
+                               "slice a Replicate dim, or slice before sharding; for a fused projection sliced into its parts "
+                               "(Phi-3's qkv[..., :q_size]) give it colwise(splits=[sizes of the parts])")
             return Shard(o)
         return Shard(m)
 
     return _layout_map(ctx, one)
+
+
+def block_slice(v: TensorInfo, dim: int, s: slice) -> tuple[int, ...] | None:
+    """The parts of a fused projection's output (``v.blocks``) that the literal slice
+    ``s`` of its blocked ``dim`` selects whole, or None.  Each rank holds its slice of
+    every part, so such a slice is its local part slices: ``localize`` divides the
+    bounds by the axis size."""
+    size = v.shape[dim]
+    if v.blocks is None or size != sum(v.blocks) or s.step not in (None, 1):
+        return None
+    if not all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (s.start, s.stop)):
+        return None
+    start, stop, _ = s.indices(size)
+    edges = [0]
+    for b in v.blocks:
+        edges.append(edges[-1] + b)
+    if start not in edges or stop not in edges or start >= stop:
+        return None
+    return tuple(v.blocks[edges.index(start):edges.index(stop)])
 
 
 # ----------------------------------------------------------------------------- sizes

@@ -32,6 +32,8 @@ graph keeps it as a single leaf ``call_function`` node.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Optional
 
 import torch
@@ -105,6 +107,18 @@ def bind_mesh(mesh: Optional[Mesh]) -> Optional[Mesh]:
     _BINDING["mesh"] = mesh
     _BINDING["axes"] = axes
     return previous
+
+
+@contextlib.contextmanager
+def binding_kept():
+    """Whatever ``transform`` binds inside is unbound on exit, and the binding from before
+    comes back as it was (``auto_plan``'s trial transforms bind a ``MeshSpec``)."""
+    saved = dict(_BINDING)
+    try:
+        yield
+    finally:
+        _BINDING.clear()
+        _BINDING.update(saved)
 
 
 def bound_mesh() -> Mesh:

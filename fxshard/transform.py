@@ -21,6 +21,7 @@ from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
 from .passes.regions import regions
+from .passes.distributed_norm import distributed_norm
 from .passes.propagate import propagate
 from .passes.localize import localize
 from .passes.local_regions import local_regions
@@ -79,6 +80,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             block_rx = _pattern_regex(blocks) if blocks else None
             normalize(gm, plan)
             regions(gm, plan)
+            distributed_norm(gm)
             propagate(gm, axes, fsdp_axes, tuple(cp_axes))
             localize(gm, axes, load_balanced)
             context_parallel(gm, axes, cp_axes)

@@ -143,6 +143,9 @@ def _slice_bounds(node, axes):
     sliced dim of ``x``, which may be sharded differently from where ``S`` was read."""
     x = info(node.args[0]).value
     idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if isinstance(x, TensorInfo) and x.blocks is not None:
+        _part_slice_bounds(node, x, idx, axes)
+        return
     if not isinstance(x, TensorInfo) or Ellipsis in idx or None in idx:
         return
     new, changed = [], False
@@ -156,6 +159,33 @@ def _slice_bounds(node, axes):
             it = it2
         new.append(it)
     if changed:
+        node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
+
+
+def _part_slice_bounds(node, x: TensorInfo, idx: tuple, axes) -> None:
+    """``qkv[..., q:q + kv]`` of a fused projection's output sharded part by part: the
+    rule admits literal bounds on part boundaries only, and every part is cut into
+    equal slices, so the local bounds are the global ones divided by the axis size."""
+    if None in idx or sum(1 for it in idx if it is Ellipsis) > 1:
+        return
+    dims, d = [], 0
+    for it in idx:
+        if it is Ellipsis:
+            d += len(x.shape) - (len(idx) - 1)
+            dims.append(None)
+        else:
+            dims.append(d)
+            d += 1
+    new = list(idx)
+    for i, (it, d) in enumerate(zip(idx, dims)):
+        if d is None or not isinstance(it, slice) or d >= len(x.shape) or x.shape[d] != sum(x.blocks):
+            continue
+        sharded = _sharding(x, d)
+        if sharded and it != slice(None):
+            k = math.prod(axes[a] for a in sharded)
+            start, stop, _ = it.indices(x.shape[d])
+            new[i] = slice(start // k, stop // k)
+    if new != list(idx):
         node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
 
 

@@ -15,6 +15,8 @@ Writes: ``.value`` (TensorInfo / SizeInfo / tuple), ``.rule``, ``.redistribute``
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -24,7 +26,7 @@ from fxshard.errors import PlacementMismatchError, PlanError, node_error
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
-from fxshard.rules import Ctx, rank_dependent_numbers, rule_for, scalar_value
+from fxshard.rules import Ctx, block_slice, rank_dependent_numbers, rule_for, scalar_value
 
 
 def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = (),
@@ -111,10 +113,29 @@ def _flow_blocks(node: fx.Node) -> None:
         if isinstance(src, TensorInfo) and src.blocks and _blocked_dim_kept(src, out):
             out.blocks = src.blocks
         return
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], (tuple, slice)):
+        src = info(node.args[0]).value  # qkv[..., q:]: the parts the slice keeps
+        kept = _sliced_blocks(src, node.args[1]) if isinstance(src, TensorInfo) and src.blocks else None
+        if kept is not None and len(kept) > 1:
+            out.blocks = kept
+        return
     preserving = node.target in (region_input, region_output) or (node.op == "call_method" and node.target in _BLOCK_PRESERVING)
     src = info(node.args[0]).value if preserving and node.args and isinstance(node.args[0], fx.Node) else None
     if isinstance(src, TensorInfo) and src.blocks and src.layout == out.layout and src.shape == out.shape:
         out.blocks = src.blocks
+
+
+def _sliced_blocks(src: TensorInfo, idx) -> tuple[int, ...] | None:
+    d = _blocked_dim(src)
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if d is None or None in items or sum(1 for it in items if it is Ellipsis) > 1:
+        return None
+    if Ellipsis in items:
+        e = items.index(Ellipsis)
+        items = items[:e] + (slice(None),) * (len(src.shape) - len(items) + 1) + items[e + 1:]
+    if d >= len(items) or not isinstance(items[d], slice) or any(not isinstance(it, slice) for it in items[:d]):
+        return None
+    return block_slice(src, d, items[d])
 
 
 def _blocked_dim(ti: TensorInfo) -> int | None:
@@ -140,6 +161,9 @@ def _check_blocked_use(node: fx.Node, out) -> None:
         if isinstance(out, tuple):
             raise _blocked_error(node, blocked[0])
         return
+    if (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], (tuple, slice))
+            and _sliced_blocks(blocked[0][1], node.args[1]) is not None):
+        return  # whole parts sliced out (Phi-3's qkv[..., :q_size])
     rule = rule_for(node)[1] if node.op in ("call_function", "call_method") else None
     if getattr(rule, "__name__", "").startswith("pointwise"):
         # elementwise: fine when every operand sharded on that dim is fused alike and the dim stays
@@ -317,6 +341,13 @@ def _enter(node: fx.Node, axes):
     where = f"input {b.name!r} of module {b.fqn!r}" if b else ""
     if b is not None and b.expected is not None:
         expected = normalize(b.expected, nd, where)
+        partial = [a for a in expected if expected[a] != src.layout[a] and isinstance(src.layout[a], Partial)]
+        if partial:
+            raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} (unreduced) but the plan says it arrives as "
+                                   f"{fmt_layout(expected)}",
+                             f"reduce it before module {b.fqn!r}: give the module that produces it an output layout on "
+                             f"{partial[0]!r} (rowwise(out=Shard(-1)) or ModuleSpec(out_dst={{{partial[0]!r}: Replicate()}}))",
+                             PlacementMismatchError)
         if any(expected[a] != src.layout[a] for a in expected):  # axes the plan leaves out keep what arrives
             raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
                              f"declare inputs={_suggest(src.layout, expected)} in that preset (the module then redistributes it), "
@@ -334,6 +365,10 @@ def _exit(node: fx.Node, axes):
         meta.value = src
         return
     nd = len(src.shape)
+    if b is not None and b.kind == "statistic":  # distributed_norm: reduce a partial statistic, leave the rest
+        reduce = {a: p for a, p in b.dst.items() if isinstance(src.layout[a], Partial)}
+        _change_layout(node, src, reduce, axes, f"statistic {b.name!r} of module {b.fqn!r}", "distributed_norm statistic")
+        return
     where = f"output {b.name!r} of module {b.fqn!r}" if b else ""
     if b is not None and b.src is not None:
         declared = normalize(b.src, nd, where)

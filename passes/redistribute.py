@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard import runtime
 from fxshard.boundary import is_marker
 from fxshard.layout import fmt_placement, local_shape
-from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import Boundary, Collective, TensorInfo, info
 
 
 def _steps(src: dict, dst: dict) -> list[tuple[str, object, object]]:
@@ -133,7 +133,8 @@ def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
                 with graph.inserting_before(node):
                     new, coll = _emit(graph, x, axis, s, d)
                 layout[axis] = d
-                coll.purpose = f"{'input' if node.target.__name__ == 'region_input' else 'output'} {name!r} of {fqn}"
+                kind = meta.declared.kind if isinstance(meta.declared, Boundary) else node.target.__name__[len("region_"):]
+                coll.purpose = f"{kind} {name!r} of {fqn}"
                 m = info(new)
                 m.collective, m.region, m.rule = coll, meta.region, "redistribute"
                 m.value = TensorInfo(dict(layout), out.shape, local_shape(out.shape, layout, axes), out.dtype, out.requires_grad)

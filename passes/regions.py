@@ -13,7 +13,9 @@ Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every 
         (its layouts hold only the axes the plan names); ``.extra["pattern"]``, the
         plan entry that applies to the node; ``.extra["context_parallel"]``, the
         :class:`fxshard.plan.ContextParallel` of the innermost context-parallel module
-        around the node, and ``.extra["context_parallel_module"]`` its FQN.
+        around the node, and ``.extra["context_parallel_module"]`` its FQN;
+        ``.extra["distributed_norm"]``, the axis of a ``distributed_norm`` region's
+        statistics, on the nodes inside it.
 """
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
         pattern = declared_by.get(node.target) if node.op == "get_attr" else specs.get(meta.region, (None,))[0]
         if pattern is not None:
             meta.extra["pattern"] = pattern
+        if meta.region in specs and specs[meta.region][1].distributed_norm is not None:
+            meta.extra["distributed_norm"] = specs[meta.region][1].distributed_norm
         if node.op == "get_attr":
             meta.declared = declared_params.get(node.target, complete(None, axes))
             if node.target in splits:
@@ -259,7 +263,8 @@ def _forward_params(mtype) -> list[str]:
         params = list(inspect.signature(mtype.forward).parameters)
     except (TypeError, ValueError):
         return []
-    return params[1:] if params and params[0] == "self" else params
+    static = any(isinstance(vars(c).get("forward"), staticmethod) for c in getattr(mtype, "__mro__", ()))
+    return params if static else params[1:]  # the instance, whatever its name (``self``, ``s``, ``m``)
 
 
 def _innermost_planned(node: fx.Node, specs) -> str | None:

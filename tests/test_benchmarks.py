@@ -219,6 +219,17 @@ def test_hf_conformance(results):
         assert str(rows[family]["transformed"]).startswith("PlanError"), rows[family]
 
 
+def test_auto_plan_benchmark(results):
+    """auto_plan against HF's plan: strictly fewer wire bytes on Phi-3 (OLMo2 too: tests/test_auto_plan.py)."""
+    pytest.importorskip("transformers")
+    out = results / "auto_plan.json"
+    _run([str(BENCH / "auto_plan.py"), "--families", "phi3", "--out", str(out)], timeout=600)
+    rows = {r["family"]: r for r in _results(out)}
+    assert set(rows) == {"phi3"}
+    for r in rows.values():
+        assert r["auto_wire_bytes"] < r["hf_wire_bytes"], r
+
+
 def test_context_parallel_benchmark(tmp_path):
     out = tmp_path / "cp.json"
     text = _run([str(BENCH / "context_parallel.py"), "--cp", "2", "--no-memory", "--out", str(out)])

@@ -170,3 +170,14 @@ def test_svg(capsys, tmp_path):
     rc, out, err = _run(capsys, *BASE, "--format", "svg", "--region", "layers.0.attention", "-o", str(path))
     assert rc == 0, err
     assert "<svg" in path.read_text()
+
+
+def test_auto_plan(capsys):
+    """--plan auto: the plan auto_plan finds goes to stderr; at tp=4 llama()'s 2 kv heads do
+    not split, so its attention stays replicated and the MLPs are sharded."""
+    rc = cli.main(["fxshard.testing.models:llama", "--plan", "auto", "--mesh", "tp=4", "--region", "layers.0"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "plan = fxshard.Plan(mesh, {" in err and "'layers.*.feed_forward.w2': fxshard.rowwise('tp')," in err
+    assert "wq/wk/wv -> wo: megatron: refused" in err and "layers.*.attention.wq" not in err.split("# considered")[0]
+    assert "all_reduce" in out

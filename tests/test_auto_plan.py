@@ -1,0 +1,147 @@
+"""fxshard.auto_plan: the Megatron structure found in the captured graph.
+
+On fxshard's Llama and GPT-2 it reproduces the hand-written plans' blocks (the same
+collectives); on HF Phi-3 (fused qkv/gate_up) and OLMo2 (q/k norms over the projected
+width) it is exact and communicates strictly less than HF's own plan."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fxshard
+from fxshard import MeshSpec, Plan, PlanError
+from fxshard.testing import models
+
+from equivalence import Case, check_real_cases, check_simulated
+
+MESH = MeshSpec(("tp",), (2,))
+
+
+def _wire(gm, region=None) -> int:
+    return sum(r.wire_bytes for r in fxshard.comm_summary(gm).select(region=region))
+
+
+def _rows(gm, region):
+    return [(r.phase, r.kind, r.shape) for r in fxshard.comm_summary(gm).select(region=region)]
+
+
+def test_llama_reproduces_the_hand_written_plan():
+    model, ids = models.llama(), models.tokens(2, 8, 128)
+    plan = fxshard.auto_plan(model, MESH, (ids,), vocab=False)
+    assert plan.specs == models.llama_plan(), plan
+    text = repr(plan)
+    assert "# wq/wk/wv -> wo: megatron" in text and "# w1/w3 -> w2: megatron" in text
+    assert "considered" in text
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(sequence_parallel=True, loss_parallel=True)], ids=["tp", "sp+lp"])
+def test_printed_plan_is_the_code_that_builds_it(flags):
+    from torch.distributed.tensor import Replicate, Shard
+
+    model, ids = models.gpt2(), models.tokens(2, 8, 128)
+    plan = fxshard.auto_plan(model, MESH, (ids,), **flags)
+    scope = {"fxshard": fxshard, "Shard": Shard, "Replicate": Replicate, "mesh": MESH}
+    exec(repr(plan), scope)
+    assert scope["plan"] == Plan(MESH, plan.specs)
+    assert all(not line.startswith("    '") or "# " in line for line in repr(plan).splitlines()), "a comment per entry"
+
+
+def test_gpt2_blocks_as_hand_written_and_no_more_communication():
+    model, ids = models.gpt2(), models.tokens(2, 8, 128)
+    plan = fxshard.auto_plan(model, MESH, (ids,))
+    hand = models.gpt2_plan()
+    for pattern in ("h.*.attn.c_attn", "h.*.attn.c_proj", "h.*.mlp.c_fc", "h.*.mlp.c_proj", "lm_head"):
+        assert plan.specs[pattern] == hand[pattern], pattern
+    assert plan.specs["h.*.attn.c_attn"].splits == (64, 64, 64)  # found from the split that follows
+    ours = fxshard.transform(model, plan, example_inputs=(ids,))
+    theirs = fxshard.transform(model, Plan(MESH, hand), example_inputs=(ids,))
+    assert _rows(ours, "h.*") == _rows(theirs, "h.*")
+    assert _wire(ours) <= _wire(theirs)  # the embedding: an all-gather instead of an all-reduce
+
+
+def test_llama_sequence_parallel_blocks_and_norms_as_hand_written():
+    model, ids = models.llama(), models.tokens(2, 8, 128)
+    hand = models.llama_plan(sequence_parallel=True)
+    plan = check_simulated(models.llama, lambda mesh: fxshard.auto_plan(model, mesh, (ids,), vocab=False, sequence_parallel=True),
+                           (ids,), {"tp": 2})
+    auto = fxshard.auto_plan(model, MESH, (ids,), vocab=False, sequence_parallel=True)
+    for pattern in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm", "layers.*.attention.wo", "layers.*.feed_forward.w2"):
+        assert auto.specs[pattern] == hand[pattern], pattern
+    assert auto.specs["layers.*.attention.wq"].in_src == {"tp": torch.distributed.tensor.Shard(1)}
+    s = fxshard.comm_summary(plan)
+    assert s.count("forward", "reduce_scatter") == 4 and s.count("forward", "all_reduce") == 0
+
+
+V = 128
+HF = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _hf(family):
+    transformers = pytest.importorskip("transformers")
+    cls = {"phi3": transformers.Phi3Config, "olmo2": transformers.Olmo2Config}[family]
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cls(**HF))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(3, V, (2, 8), generator=g), "labels": torch.randint(3, V, (2, 8), generator=g)}
+
+
+def logits(out):
+    return out.logits
+
+
+def model_loss(out):
+    return out.loss
+
+
+def _with_specs(mesh, specs):
+    return Plan(mesh, specs)
+
+
+CHECK = dict(select=logits, loss_fn=model_loss, replicated_loss=True, lr=0.2)
+AUTO = {}  # family -> auto_plan's specs, found once on a MeshSpec and reused on every mesh
+
+
+def _auto_specs(family):
+    if family not in AUTO:
+        AUTO[family] = fxshard.auto_plan(_hf(family), MESH, example_kwargs=_batch())
+    return AUTO[family]
+
+
+@pytest.mark.parametrize("family,found", [("phi3", "qkv_proj fused [64, 32, 32]"),
+                                          ("olmo2", "norms over the projected width: k_norm, q_norm")])
+def test_hf_auto_plan_exact_and_cheaper_than_hf_plan(family, found):
+    batch = _batch()
+    plan = _auto_specs(family)
+    assert found in repr(plan)
+    sharded = check_simulated(functools.partial(_hf, family), functools.partial(_with_specs, specs=plan.specs), (), {"tp": 2},
+                              kwargs=batch, **CHECK)
+    hf = fxshard.transform(_hf(family), Plan.from_hf(MESH, _hf(family)), example_kwargs=batch)
+    assert _wire(sharded) < _wire(hf), (_wire(sharded), _wire(hf))
+    assert fxshard.comm_summary(sharded).count(kind="all_gather") < fxshard.comm_summary(hf).count(kind="all_gather")
+
+
+def test_hf_auto_plan_on_the_meta_device():
+    """auto_plan reads shapes only: a model too big for the host is planned on the meta device."""
+    with torch.device("meta"):
+        model = _hf("phi3")
+    assert fxshard.auto_plan(model, MESH, example_kwargs=_batch()).specs == _auto_specs("phi3").specs
+
+
+def test_hf_auto_plan_real_gloo():
+    cases = [Case(functools.partial(_hf, f), functools.partial(_with_specs, specs=_auto_specs(f).specs), (), {"tp": 2},
+                  kwargs=_batch(), name=f"hf {f} auto_plan", **CHECK) for f in ("phi3", "olmo2")]
+    check_real_cases(2, cases)
+
+
+def test_wrong_use_is_a_plan_error():
+    model, ids = models.llama(), models.tokens(2, 8, 128)
+    with pytest.raises(PlanError, match="not an axis of the mesh"):
+        fxshard.auto_plan(model, MESH, (ids,), axis="dp")
+    with pytest.raises(PlanError, match="pass vocab=True"):
+        fxshard.auto_plan(model, MESH, (ids,), loss_parallel=True, vocab=False)

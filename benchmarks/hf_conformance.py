@@ -224,8 +224,10 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
     row["fxshard_comm"] = f"{row['fxshard_fwd']}+{row['fxshard_bwd']}={row['fxshard_fwd'] + row['fxshard_bwd']}"
     row["fxshard_comm_bytes"] = summary.nbytes()
     row["fxshard_wire"] = sum(r.wire_bytes for r in summary.select())
+    row["param_bytes"] = param_bytes(sharded)
     if row.get("hf_plan_wire"):
         row["wire_vs_hf_plan"] = row["fxshard_wire"] / row["hf_plan_wire"]
+        row["params_vs_hf_plan"] = row["param_bytes"] / row["hf_plan_param_bytes"]
     try:
         world = math.prod(mesh_shape.values())
         in_layouts = {k: plan.inputs.get(k, {}) for k in ("input_ids", "labels")}
@@ -303,9 +305,15 @@ def hf_wire_bytes(model, mesh, ids, labels, row: dict) -> None:
     try:
         hf = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs={"input_ids": ids, "labels": labels})
         row["hf_plan_wire"] = sum(r.wire_bytes for r in fxshard.comm_summary(hf).select())
+        row["hf_plan_param_bytes"] = param_bytes(hf)
     except fxshard.PlanError as e:
         row["hf_plan_wire"] = None
         row["hf_plan_error"] = first_line(e)
+
+
+def param_bytes(gm) -> int:
+    """Bytes of parameters one rank holds (a tied parameter once)."""
+    return sum(p.numel() * p.element_size() for p in gm.parameters())
 
 
 def check_side_effects(model, snapshot: dict, family: str, stage: str, findings: list) -> None:
@@ -500,7 +508,7 @@ def main(argv=None) -> int:
     PLAN["maker"] = args.plan
     if args.plan == "auto":
         COLUMNS[-1:-1] = [("hf_plan_wire", "wire B HF plan", ""), ("fxshard_wire", "wire B auto_plan", ""),
-                          ("wire_vs_hf_plan", "auto/HF", ".2f")]
+                          ("wire_vs_hf_plan", "wire auto/HF", ".2f"), ("params_vs_hf_plan", "params/rank auto/HF", ".2f")]
     families = args.families.split(",") if args.families else decoder_families()
     if args.ep and not args.families:
         from fxshard.testing.hf_tiny import config_class
@@ -528,9 +536,13 @@ def main(argv=None) -> int:
     print()
     print(summary_line(s))
     if args.plan == "auto":
-        compared = [r for r in rows if r.get("wire_vs_hf_plan") is not None]
-        print(f"auto_plan vs Plan.from_hf (wire bytes per step): at most HF's on {sum(r['wire_vs_hf_plan'] <= 1 for r in compared)}"
-              f"/{len(compared)}, strictly less on {sum(r['wire_vs_hf_plan'] < 1 for r in compared)}/{len(compared)}")
+        for kind in ("dense", "moe"):
+            compared = [r for r in rows if r.get("wire_vs_hf_plan") is not None and r["kind"] == kind]
+            more = [r for r in compared if r["wire_vs_hf_plan"] > 1]
+            detail = ", ".join(f"{r['family']} (params per rank x{r['params_vs_hf_plan']:.2f})" for r in more)
+            print(f"auto_plan vs Plan.from_hf, {kind} (wire bytes per step): at most HF's on {len(compared) - len(more)}"
+                  f"/{len(compared)}, strictly less on {sum(r['wire_vs_hf_plan'] < 1 for r in compared)}/{len(compared)}"
+                  + (f"; more on {detail}" if more else ""))
     print(f"sweep: {total:.0f} s")
     notes = [r for r in rows if r.get("hf_error")]
     if notes:

@@ -365,13 +365,10 @@ def _groups(projections, embeddings, found, model, axis, n, loss_parallel, vocab
     groups: list[_Group] = []
     used: set[str] = set()
     hidden: set[int] = set()
-    for r in projections.values():
-        ups = _upstream(r, projections)
-        if not ups or r.fqn in ups or ups & used or r.fqn in used:
+    for r, late in _pairs(projections):
+        if set(late) & used or r.fqn in used:
             continue
-        if not all(projections[u].users == {r.fqn} and not projections[u].to_output for u in ups):
-            continue
-        order = [u for u in projections if u in ups]
+        order = late
         hidden |= {projections[u].node.args[0].meta["val"].shape[-1] for u in order}
         split = {u: _parts(projections[u]) for u in order}
         norms = {u: _width_norms(projections[u], projections[u].width) for u in order}
@@ -385,7 +382,7 @@ def _groups(projections, embeddings, found, model, axis, n, loss_parallel, vocab
         if any(norms.values()) or any(split.values()):
             variants.append(("gathered before the norm" if any(norms.values()) else "gathered, split replicated", gathered))
         _add(groups, _Group(kind, variants))
-        used |= ups | {r.fqn}
+        used |= set(order) | {r.fqn}
         used |= {m for u in order for m in norms[u]}
     heads = [p for p in projections.values() if p.to_output and not p.users and p.fqn not in used]
     head_out = Shard(-1) if loss_parallel else Replicate()
@@ -429,6 +426,28 @@ def _groups(projections, embeddings, found, model, axis, n, loss_parallel, vocab
         if module and module not in used and width in hidden and module in modules:
             stream[module] = sequence_parallel_spec(axis)
     return groups, _Group("sequence-parallel residual stream (norms on sequence shards)", [("sequence parallel", stream)])
+
+
+def _pairs(projections: dict[str, _Projection]) -> list[tuple[_Projection, list[str]]]:
+    """(row-parallel ``r``, its column-parallel projections) in graph order.
+
+    The projections ``r``'s input is computed from are *late* when they feed ``r``
+    alone (q/k/v -> o) and *early* when they also feed late ones (MLA's
+    ``kv_a_proj_with_mqa``, whose rope key reaches ``o_proj`` too): early ones stay
+    replicated.  A pair whose ``r`` is itself a late projection of another pair is an
+    inner chain (MLA's ``q_a_proj -> q_b_proj`` inside ``-> o_proj``) and gives way:
+    sharding the heads costs nothing there, the chain would all-reduce the queries."""
+    cands = []
+    for r in projections.values():
+        ups = _upstream(r, projections)
+        if not ups or r.fqn in ups:
+            continue
+        late = [u for u in projections if u in ups and projections[u].users == {r.fqn} and not projections[u].to_output]
+        early = [u for u in ups if u not in late and not projections[u].to_output and projections[u].users <= ups | {r.fqn}]
+        if late and len(late) + len(early) == len(ups):
+            cands.append((r, late))
+    inner = {r.fqn for r, _ in cands if any(r.fqn in late for _, late in cands)}
+    return [(r, late) for r, late in cands if r.fqn not in inner]
 
 
 def _add(groups: list[_Group], g: _Group) -> None:

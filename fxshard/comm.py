@@ -222,6 +222,7 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
     """(forward rows, backward rows), both in graph order; local regions (sub-GraphModules
     such as MoE blocks) are walked where they are called."""
     grad = _requires_grad(gm, inputs_grad)
+    dead = grad - _reaches_output(gm, grad)
     fwd_rows: list[CommRow] = []
     bwd_rows: list[CommRow] = []
     for node in gm.graph.nodes:
@@ -241,8 +242,8 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
             size = mesh.get(axis, 0)
             if size == 1:
                 continue  # the runtime returns its input unchanged
-            if phase == "backward" and not _carries_grad(node.args[0] if node.args else None, grad):
-                continue  # no gradient flows through this node
+            if phase == "backward" and (not _carries_grad(node.args[0] if node.args else None, grad) or node in dead):
+                continue  # no gradient flows through this node, or none comes back to it
             shape, dtype = tuple(buffer.local_shape), buffer.dtype
             row = CommRow(phase, kind, axis, size, node.name, op, reg, shape, dtype,
                           math.prod(shape) * _itemsize(dtype), purpose, exact=op not in _DATA_DEPENDENT)
@@ -473,6 +474,19 @@ def _requires_grad(gm: fx.GraphModule, inputs_grad: list[bool]) -> set[fx.Node]:
         if needs and _differentiable(node):
             out.add(node)
     return out
+
+
+def _reaches_output(gm: fx.GraphModule, grad: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``grad`` whose gradient autograd computes: a differentiable path
+    leads from them to the graph's output.  A value that only feeds integer results
+    (the indices of a top-k that selects tokens, a sparse-attention indexer) gets no
+    gradient, and a collective on it runs no backward.  A node without users counts
+    as reaching the output: it may write into a tensor read later (``copy_``, setitem)."""
+    live: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node in grad and (not node.users or any(u.op == "output" or u in live for u in node.users)):
+            live.add(node)
+    return live
 
 
 def _fetch(gm, target: str):

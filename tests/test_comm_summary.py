@@ -92,6 +92,23 @@ def _ids(seed=0):
     return tokens(2, 8, 128, seed=seed)
 
 
+class _TopkGate(torch.nn.Module):
+    """A sharded score that only picks indices (a router's top-k): no gradient comes
+    back through it, so its input's gradient sync never runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        self.gate = torch.nn.Linear(8, 16)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x * self.scale
+        idx = self.gate(h).topk(2, dim=-1).indices % 8
+        return self.proj(h).gather(-1, idx)
+
+
 CASES = {
     "llama_tp2": ({"tp": 2}, _llama, lambda mesh: Plan(mesh, llama_plan("tp")), lambda: (_ids(),), None, False),
     "llama_tp4": ({"tp": 4}, _llama, lambda mesh: Plan(mesh, llama_plan("tp")), lambda: (_ids(),), None, False),
@@ -114,6 +131,8 @@ CASES = {
     "mlp_all_to_all": ({"tp": 2}, _mlp,
                        lambda mesh: Plan(mesh, {"fc1": colwise(out=Shard(0)), "fc2": rowwise(inputs=Shard(0))}),
                        lambda: (_x(),), None, False),
+    "topk_gate": ({"tp": 2}, _TopkGate, lambda mesh: Plan(mesh, {"gate": colwise(out=Replicate())}),
+                  lambda: (_x(),), None, False),
     # sequence parallel + vocab-parallel embedding + loss parallel (communication inside the loss)
     "gpt2_sp_loss_parallel": ({"tp": 2}, _gpt2_loss,
                               lambda mesh: Plan(mesh, _prefixed(gpt2_plan("tp", sequence_parallel=True, loss_parallel=True))),

@@ -80,9 +80,10 @@ def _as_code(spec: ModuleSpec) -> str:
         get = lambda layout, default: (layout or {}).get(axis, default)  # noqa: E731
         calls = {
             "colwise": lambda: (colwise(axis, inputs=get(spec.in_src, Replicate()), out=get(spec.out_dst, Shard(-1)),
-                                        splits=list(spec.splits) if spec.splits else None),
+                                        splits=list(spec.splits) if spec.splits else None, heads=spec.heads),
                                 arg("inputs", get(spec.in_src, Replicate()), Replicate()) + arg("out", get(spec.out_dst, Shard(-1)), Shard(-1))
-                                + ([f"splits={list(spec.splits)}"] if spec.splits else [])),
+                                + ([f"splits={list(spec.splits)}"] if spec.splits else [])
+                                + ([f"heads={spec.heads}"] if spec.heads else [])),
             "rowwise": lambda: (rowwise(axis, inputs=get(spec.in_src, Shard(-1)), out=get(spec.out_dst, Replicate())),
                                 arg("inputs", get(spec.in_src, Shard(-1)), Shard(-1)) + arg("out", get(spec.out_dst, Replicate()), Replicate())),
             "vocab_parallel": lambda: (vocab_parallel(axis, out=get(spec.out_dst, Replicate())),
@@ -295,6 +296,16 @@ def _parts(p: _Projection) -> list[int] | None:
     return [b - a for a, b in zip(cuts, cuts[1:])] if len(cuts) > 2 else None
 
 
+def _heads(p: _Projection) -> int | None:
+    """The number of heads a projection's output is viewed into (``[..., width] -> [..., h, d]``)."""
+    for u in p.node.users:
+        val = u.meta.get("val")
+        if (u.op == "call_method" and u.target in ("view", "reshape") and isinstance(val, torch.Tensor) and val.dim() >= 2
+                and val.shape[-2] * val.shape[-1] == p.width and val.shape[-1] != p.width):
+            return int(val.shape[-2])
+    return None
+
+
 def _reduces_last_dim(x: fx.Node) -> bool:
     """A mean/sum over the last dim, or an rms/layer norm: a norm's statistic."""
     if x.op == "call_method" and x.target in ("mean", "sum") or x.target in (torch.mean, torch.sum):
@@ -372,13 +383,15 @@ def _groups(projections, embeddings, found, model, axis, n, loss_parallel, vocab
         hidden |= {projections[u].node.args[0].meta["val"].shape[-1] for u in order}
         split = {u: _parts(projections[u]) for u in order}
         norms = {u: _width_norms(projections[u], projections[u].width) for u in order}
-        megatron = {u: colwise(axis, inputs=seq, splits=split[u]) for u in order}
+        few = {u: h for u in order if not split[u] and (h := _heads(projections[u])) and n > h}  # 2 KV heads at tp=4
+        megatron = {u: colwise(axis, inputs=seq, splits=split[u], heads=few.get(u)) for u in order}
         megatron.update({m: distributed_norm(axis) for u in order for m in norms[u]})
         megatron[r.fqn] = rowwise(axis, out=seq)
         gathered = {u: colwise(axis, inputs=seq, out=Replicate()) for u in order}
         gathered[r.fqn] = rowwise(axis, inputs=Replicate(), out=seq)
         kind = _kind(order, split, norms, r)
-        variants = [("megatron" + (" + distributed norms" if any(norms.values()) else ""), megatron)]
+        shared = "".join(sorted({f", {h} KV heads each on {n // h} ranks" for h in few.values()}))
+        variants = [("megatron" + (" + distributed norms" if any(norms.values()) else "") + shared, megatron)]
         if any(norms.values()) or any(split.values()):
             variants.append(("gathered before the norm" if any(norms.values()) else "gathered, split replicated", gathered))
         _add(groups, _Group(kind, variants))

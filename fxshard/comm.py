@@ -184,7 +184,9 @@ class CommSummary:
     def __str__(self) -> str:
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items()) or "?"
         header = ["phase", "axis", "collective", "node", "op", "module", "local shape", "dtype", "bytes"]
-        body = [[r.phase, r.axis, r.kind, r.node, r.op, r.region or "<top>", _fmt_shape(r.shape),
+        # a group of an axis (the ranks sharing a replicated head) shows its size: tp/2
+        body = [[r.phase, r.axis if r.axis_size in (0, self.mesh.get(r.axis)) else f"{r.axis}/{r.axis_size}", r.kind,
+                 r.node, r.op, r.region or "<top>", _fmt_shape(r.shape),
                  str(r.dtype).replace("torch.", ""), ("" if r.exact else "~") + fmt_bytes(r.bytes)] for r in self.rows]
         lines = [f"fxshard comm summary  mesh: {mesh}  {self.headline()}"]
         if body:
@@ -239,7 +241,7 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
         if region is not None and not in_region(reg, region):
             continue
         for phase, kind, axis, buffer, op, purpose in _calls(node):
-            size = mesh.get(axis, 0)
+            size = node.kwargs.get("replicas") or mesh.get(axis, 0)  # replicated heads: a group of the axis
             if size == 1:
                 continue  # the runtime returns its input unchanged
             if phase == "backward" and (not _carries_grad(node.args[0] if node.args else None, grad) or node in dead):

@@ -9,7 +9,9 @@ Columns: node name, op, target, layout per mesh axis, local and global shape, mo
 (innermost module FQN) and source line.  Collective rows start with ``>>`` and
 say what they do forward and backward.  The header counts the collectives and, for a
 graph that communicates, the calls and bytes of one step forward and backward
-(:func:`fxshard.comm_summary`).
+(:func:`fxshard.comm_summary`).  A parameter whose heads are shared by several ranks
+(``colwise(heads=2)`` at ``tp=4``) reads ``S(0) x2``: its global shape in the graph holds
+each head once per rank that shares it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ def _cells(node: fx.Node, axes: list[str]):
     v = meta.value if meta is not None else None
     if isinstance(v, TensorInfo):
         lay = [fmt_placement(v.layout[a]) for a in axes]
+        hr = meta.extra.get("head_replicas") if node.op == "get_attr" else None
+        if hr is not None:  # each head held by several ranks: the graph's global shape holds it once per rank
+            lay = [f"{c} x{v.shape[0] // v.local_shape[0] // hr.heads}" if a == hr.axis else c for a, c in zip(axes, lay)]
         return lay, fmt_shape(v.local_shape), fmt_shape(v.shape), dtype_short(v.dtype)
     if isinstance(v, tuple) and v and all(isinstance(t, TensorInfo) for t in v):
         lay = ["(" + ",".join(fmt_placement(t.layout[a]) for t in v) + ")" for a in axes]

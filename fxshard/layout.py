@@ -27,6 +27,15 @@ class DimBlocks(NamedTuple):
     sizes: tuple[int, ...]
 
 
+class HeadReplicas(NamedTuple):
+    """A parameter's dim 0 holds ``heads`` heads and is sharded over an ``axis`` with more
+    ranks than that (``colwise(heads=2)`` on ``tp=4``): rank ``i`` of the axis holds head
+    ``i // (size // heads)``, which the ``size // heads`` consecutive ranks share."""
+
+    axis: str
+    heads: int
+
+
 def blocks_on(blocks, dim: int) -> tuple[int, ...] | None:
     """The part sizes ``blocks`` gives dim ``dim`` (None: the dim is cut whole)."""
     if blocks is None:

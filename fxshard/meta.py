@@ -19,7 +19,11 @@ field              meaning                                             written b
 :class:`Boundary` on ``region_input`` / ``region_output`` markers, and a
 :class:`LocalRegion` on the ``call_module`` node of an opaque local region
 (``ModuleSpec(local=True)``, ``fxshard.expert_parallel``).  ``extra["splits"]``
-on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``).
+on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``);
+``extra["heads"]`` (written by ``regions``): the head count of ``colwise(heads=...)``, and
+``extra["head_replicas"]`` (written by ``replicate_heads``, read by ``grad_sync`` and
+``shard_state``): a :class:`fxshard.layout.HeadReplicas` where the axis has more ranks than
+heads (the node's ``val`` then has the shape with each head stored once per replica).
 ``extra["pattern"]`` (written by ``regions``, read by :func:`fxshard.explain`): the plan
 entry that applies to the node: on a ``get_attr`` the entry whose ``params=`` declared
 its layout, elsewhere the entry of the node's ``region``.

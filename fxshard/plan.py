@@ -49,6 +49,9 @@ class ModuleSpec:
                 on a sequence sharded over its axis (:func:`context_parallel`).
       distributed_norm: a mesh axis: the norm statistics this module reduces over a dim
                 sharded on that axis are all-reduced (:func:`distributed_norm`).
+      heads:    the number of heads a projection's output is made of (its K/V heads); on an
+                axis with more ranks than that, each head is held by the ``size // heads``
+                consecutive ranks whose query heads use it (:func:`colwise`).
       style:    name of the preset that built the spec (for printing).
 
     Example::
@@ -69,6 +72,7 @@ class ModuleSpec:
     splits: tuple[int, ...] | None = None
     context_parallel: "ContextParallel | None" = None
     distributed_norm: str | None = None
+    heads: int | None = None
     style: str | None = field(default=None, compare=False)  # a name for printing: a preset equals its spelled-out spec
 
     def __post_init__(self):
@@ -99,6 +103,8 @@ class ModuleSpec:
             parts.append(f"context_parallel={self.context_parallel!r}")
         if self.distributed_norm is not None:
             parts.append(f"distributed_norm={self.distributed_norm!r}")
+        if self.heads is not None:
+            parts.append(f"heads={self.heads}")
         if self.local:
             parts.append("local=True")
         if self.compute is not None:
@@ -118,7 +124,7 @@ def _fmt(v) -> str:
 
 
 def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement = Shard(-1),
-            splits: list[int] | None = None) -> ModuleSpec:
+            splits: list[int] | None = None, heads: int | None = None) -> ModuleSpec:
     """Column-parallel ``nn.Linear``: weight and bias ``Shard(0)``, output ``Shard(-1)``.
 
     ``inputs`` is the layout the input arrives in (``Shard(1)`` under sequence
@@ -128,10 +134,21 @@ def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement
     ``splits``: for a fused projection, the sizes of its parts (``[q, k, v]`` for a
     ``wqkv``, ``[ffn, ffn]`` for a ``w13``); each part is sharded separately and the
     ``split``/``chunk`` that follows in the graph is localized.
+    ``heads``: the number of heads the output is made of, for K/V projections with fewer
+    heads than the axis has ranks (2 KV heads at ``tp=4``): each rank then holds the KV
+    head its query heads use, replicated over the ``tp // heads`` consecutive ranks that
+    share it, and their gradients are summed over exactly those ranks (Megatron's and
+    vLLM's layout).  The axis size must divide ``heads`` or be a multiple of it.
 
     Example: ``{"layers.*.attention.wq": colwise()}``,
-    ``{"layers.*.attention.wqkv": colwise(splits=[512, 128, 128])}``
+    ``{"layers.*.attention.wqkv": colwise(splits=[512, 128, 128])}``,
+    ``{"layers.*.self_attn.k_proj": colwise(heads=config.num_key_value_heads)}``
     """
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise PlanError(f"colwise(heads={heads!r}): heads is the number of heads of the projection, a positive int")
+    if heads is not None and splits is not None:
+        raise PlanError("colwise(splits=..., heads=...): heads of a fused projection are not supported; "
+                        "plan its K and V projections apart, or leave the fused projection replicated")
     return ModuleSpec(
         params={"weight": {axis: Shard(0)}, "bias": {axis: Shard(0)}},
         inputs={axis: Replicate()},
@@ -140,6 +157,7 @@ def colwise(axis: str = "tp", *, inputs: Placement = Replicate(), out: Placement
         out_dst={axis: out},
         optional_params=("bias",),
         splits=splits,
+        heads=heads,
         style="colwise",
     )
 

@@ -812,9 +812,16 @@ def reshape_like(ctx: Ctx):
                 if o is None or b[o] % ctx.axes[axis]:
                     break
                 return Shard(o)
+        fix = "keep the sharded dim the outermost of any merged group (e.g. shard heads, not head_dim), or make it Replicate before the reshape"
+        n = ctx.axes[axis]
+        for ins, outs in groups:  # [.., h * d] -> [.., h, d] with fewer heads than ranks: GQA's KV heads at a large tp
+            real = [d for d in outs if b[d] != 1]
+            if ins == [p.dim] and len(real) == 2 and b[real[0]] < n and n % b[real[0]] == 0:
+                fix = (f"these are {b[real[0]]} heads on the {n} ranks of {axis!r}: plan the projection that makes them "
+                       f"fxshard.colwise({axis!r}, heads={b[real[0]]}), so each head is held by the {n // b[real[0]]} ranks "
+                       f"whose query heads use it; or " + fix)
         raise ctx.fail(f"reshape {list(a)} -> {list(b)} splits or merges dim {p.dim}, which is sharded on {axis!r}, "
-                       "so the local pieces are not a shard of the result",
-                       "keep the sharded dim the outermost of any merged group (e.g. shard heads, not head_dim), or make it Replicate before the reshape")
+                       "so the local pieces are not a shard of the result", fix)
 
     return _layout_map(ctx, one)
 

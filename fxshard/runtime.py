@@ -18,7 +18,8 @@ op                              forward             backward
                                                     reduce-scatter (grad P)
 ``shard``        R -> S(d)      local chunk         all-gather
 ``all_to_all``   S(i) -> S(j)   all-to-all          all-to-all back
-``grad_sync``                   identity            all-reduce (sum or avg)
+``grad_sync``                   identity            all-reduce (sum or avg; over
+                                                    ``replicas`` ranks of the axis)
 ``grad_sync_bucket``            identity            one all-reduce of all the
                                                     gradients, flattened
 ==============================  ==================  ==========================
@@ -107,6 +108,35 @@ def bind_mesh(mesh: Optional[Mesh]) -> Optional[Mesh]:
     _BINDING["mesh"] = mesh
     _BINDING["axes"] = axes
     return previous
+
+
+def replica_axis(axis: str, replicas: int) -> _Axis:
+    """The ``replicas`` consecutive ranks of ``axis`` that hold the same shard (a KV head
+    replicated over the ranks whose query heads use it, ``colwise(heads=...)``), as an
+    axis of their own: the bound mesh's ``axis`` unflattened to ``(size // replicas,
+    replicas)``.  Made once per binding (creating process groups is collective: every rank
+    does it, in the same order)."""
+    ax = _comm_axis(axis, "grad_sync")
+    if replicas == ax.size:
+        return ax
+    if replicas < 1 or ax.size % replicas:
+        raise ValueError(f"fxshard.grad_sync: {replicas} replicas do not divide the {ax.size} ranks of axis {axis!r}")
+    cache = _BINDING.setdefault("replicas", {})
+    if (axis, replicas) not in cache:
+        mesh = bound_mesh()
+        names = (f"{axis}_heads_{replicas}", f"{axis}_replicas_{replicas}")
+        sub = mesh._unflatten(axis, (ax.size // replicas, replicas), names)
+        cache[(axis, replicas)] = _Axis(names[1], replicas, sub.get_group(names[1]).group_name, None)
+    return cache[(axis, replicas)]
+
+
+def bind_replica_groups(gm) -> None:
+    """Make the replica groups the gradient syncs of ``gm`` use (none for a ``MeshSpec``)."""
+    if isinstance(_BINDING.get("mesh"), MeshSpec):
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (grad_sync, grad_sync_bucket) and node.kwargs.get("replicas"):
+            replica_axis(node.args[1], node.kwargs["replicas"])
 
 
 @contextlib.contextmanager
@@ -429,21 +459,26 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.
     return _AllToAll.apply(x, ax, src, dst)
 
 
-def grad_sync(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
+def grad_sync(x: torch.Tensor, axis: str, op: str = "sum", *, replicas: int | None = None) -> torch.Tensor:
     """Gradient sync on ``axis``: the value's gradient is ``Partial`` there.
 
     Forward: identity, no communication.  Backward: all-reduce (sum) of the
     gradient, so every rank gets the full gradient (Megatron's "copy to region");
     ``op="avg"``: the mean over the axis (FSDP2's convention on its axis).
+    ``replicas``: the sum runs over the groups of that many consecutive ranks of the
+    axis, each holding the same shard (a replicated KV head, ``colwise(heads=...)``).
+
+    Example: ``wk = fxshard.grad_sync(wk, "tp", replicas=2)``
     """
     _check_op(op, "grad_sync")
-    ax = _comm_axis(axis, "grad_sync")
+    ax = replica_axis(axis, replicas) if replicas else _comm_axis(axis, "grad_sync")
     if ax.size == 1:
         return x
     return _GradSync.apply(x, ax, op)
 
 
-def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum") -> tuple[torch.Tensor, ...]:
+def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
+                     replicas: int | None = None) -> tuple[torch.Tensor, ...]:
     """Gradient sync of several tensors on ``axis`` with one collective (a bucket).
 
     Forward: identity on each tensor, no communication.  Backward: the gradients are
@@ -451,10 +486,12 @@ def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum") -> tupl
     the mean over the axis), once all of them are complete; each is then the same
     as after its own :func:`grad_sync`.
 
+    ``replicas``: as for :func:`grad_sync`.
+
     Example: ``norm_w, ffn_norm_w = fxshard.grad_sync_bucket([norm_w, ffn_norm_w], "tp")``
     """
     _check_op(op, "grad_sync_bucket")
-    ax = _comm_axis(axis, "grad_sync_bucket")
+    ax = replica_axis(axis, replicas) if replicas else _comm_axis(axis, "grad_sync_bucket")
     if ax.size == 1 or not xs:
         return tuple(xs)
     return _GradSyncBucket.apply(ax, op, *xs)

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import Shard
 
-from .layout import blocks_on
+from .layout import HeadReplicas, blocks_on
 
 Run = tuple[int, int]  # (first global index, length)
 Runs = list[list[Run]]  # per dim, in local order
@@ -52,15 +52,18 @@ def take(runs: list[Run], start: int, length: int) -> list[Run]:
 
 
 def shard_runs(layout: dict | None, shape: Sequence[int], axes: dict, coord: dict,
-               blocks: Sequence[int] | None = None) -> Runs:
+               blocks: Sequence[int] | None = None, heads: HeadReplicas | None = None) -> Runs:
     """Runs of global indices per dim of this rank's shard of a tensor of global
     ``shape`` (outer mesh axes cut first, as ``local_slice``).  With ``blocks`` (the
-    part sizes of a fused parameter's sharded dim), each part is cut on its own."""
+    part sizes of a fused parameter's sharded dim), each part is cut on its own; with
+    ``heads`` (replicated heads), the consecutive ranks sharing a head hold the same run."""
     runs: Runs = [[(0, int(s))] for s in shape]
     for axis, p in (layout or {}).items():
         if not isinstance(p, Shard):
             continue
         d, n, i = p.dim, axes[axis], coord[axis]
+        if heads is not None and heads.axis == axis and n > heads.heads:
+            n, i = heads.heads, i // (n // heads.heads)
         parts, pos = [], 0
         for size in (blocks_on(blocks, d) or (sum(k for _, k in runs[d]),)):
             parts.append((pos, size))
@@ -128,7 +131,8 @@ def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
     layout, shape = gm.meta["fxshard_state"].get(fqn, (None, None))
     if shape is None:  # replicated everywhere (fxshard never read it): the local tensor is the whole
         shape = tuple(local.shape)
-    runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), gm.meta.get("fxshard_blocks", {}).get(fqn))
+    runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), gm.meta.get("fxshard_blocks", {}).get(fqn),
+                      gm.meta.get("fxshard_heads", {}).get(fqn))
     if isinstance(local, DTensor):
         (p,) = local.placements
         if isinstance(p, Shard):

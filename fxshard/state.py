@@ -32,6 +32,7 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     ``state_dict`` (same keys).  A collective: call it on every rank."""
     layouts = _layouts(gm)
     blocks = gm.meta.get("fxshard_blocks", {})
+    heads = gm.meta.get("fxshard_heads", {})
     out = {}
     for fqn, t in gm.state_dict().items():
         layout, shape = layouts.get(fqn, (None, None))
@@ -48,6 +49,11 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
                         t = torch.cat([runtime.all_gather(x, axis, p.dim) for x in local], p.dim)
                     else:
                         t = runtime.all_gather(t, axis, p.dim)
+                    hr = heads.get(fqn)
+                    if hr is not None and hr.axis == axis and runtime.axis_size(axis) > hr.heads:
+                        # every head arrives once per rank that shares it: keep one copy
+                        replicas = runtime.axis_size(axis) // hr.heads
+                        t = t.unflatten(p.dim, (hr.heads, replicas, -1)).select(p.dim + 1, 0).flatten(p.dim, p.dim + 1)
         out[fqn] = t.clone()
     return out
 
@@ -69,7 +75,8 @@ def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor]
             layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
             if tuple(full.shape) != tuple(shape):
                 raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, expected the global shape {tuple(shape)}")
-            mine = local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn)) if layout is not None else full
+            mine = (local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn),
+                                gm.meta.get("fxshard_heads", {}).get(fqn)) if layout is not None else full)
             if isinstance(t, DTensor):  # FSDP2's shard of it: sliced locally, the same on every rank
                 mine = distribute_tensor(mine.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None).to_local()
                 t = t.to_local()

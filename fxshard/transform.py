@@ -21,6 +21,7 @@ from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
 from .passes.regions import regions
+from .passes.replicate_heads import replicate_heads
 from .passes.distributed_norm import distributed_norm
 from .passes.propagate import propagate
 from .passes.localize import localize
@@ -80,6 +81,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             block_rx = _pattern_regex(blocks) if blocks else None
             normalize(gm, plan)
             regions(gm, plan)
+            replicate_heads(gm, axes)
             distributed_norm(gm)
             propagate(gm, axes, fsdp_axes, tuple(cp_axes))
             localize(gm, axes, load_balanced)
@@ -98,6 +100,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             bucket_grad_syncs(gm, int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
                               (lambda n: block_of(n, block_rx)) if plan.fsdp else (lambda n: ""))
         runtime.bind_mesh(plan.mesh)
+        runtime.bind_replica_groups(gm)  # process groups are made now, on every rank, never while tracing
         shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
         cleanup(gm)
         gm.meta["fxshard_mesh"] = dict(axes)

@@ -68,7 +68,7 @@ def bucket_grad_syncs(gm: fx.GraphModule, cap_bytes: int | None, unit_of: Callab
             if not (_is_sync(node) and _is_parameter_like(gm, node.args[0])):
                 continue
             for use in node.users:
-                key = (unit_of(use), node.args[1], node.kwargs.get("op", "sum"))
+                key = (unit_of(use), node.args[1], node.kwargs.get("op", "sum"), node.kwargs.get("replicas"))
                 member = groups.setdefault(key, {}).get(node.args[0])
                 if member is None:
                     member = groups[key][node.args[0]] = _Member(node.args[0], [], [], order[use])
@@ -78,9 +78,9 @@ def bucket_grad_syncs(gm: fx.GraphModule, cap_bytes: int | None, unit_of: Callab
                 member.first = min(member.first, order[use])
         if not groups:
             break
-        for (unit, axis, op), members in groups.items():
+        for (unit, axis, op, replicas), members in groups.items():
             for bucket in _fill(sorted(members.values(), key=lambda m: -m.first), cap_bytes):
-                _make_bucket(graph, bucket, axis, op, order)
+                _make_bucket(graph, bucket, axis, op, order, replicas)
         for node in list(graph.nodes):
             if _is_sync(node) and not node.users:
                 graph.erase_node(node)
@@ -129,11 +129,13 @@ def _fill(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:
     return [b for b in buckets if b]
 
 
-def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, order: dict) -> None:
+def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, order: dict, replicas: int | None) -> None:
     anchor = min((u for m in bucket for u in m.uses), key=lambda u: order[u])
     stack = _unit_stack(bucket)
     values = tuple(info(m.source).value for m in bucket)
     kwargs = {"op": op} if op != "sum" else {}
+    if replicas:  # replicated heads: summed over the ranks sharing each head only
+        kwargs["replicas"] = replicas
     for m in bucket:  # a get_attr is made just before its own use, maybe after the anchor
         _hoist(m.source, anchor, order)
     with graph.inserting_before(anchor):
@@ -141,8 +143,10 @@ def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, ord
                                  name="grad_bucket")
     names = ", ".join(_parameter_name(m.source) for m in bucket)
     _annotate(node, values, stack, anchor, "grad sync bucket")
-    info(node).collective = Collective("grad_sync_bucket", axis, "identity", "all-reduce",
-                                       f"grads of {len(bucket)} parameters: {names}")
+    info(node).collective = Collective("grad_sync_bucket", axis, "identity",
+                                       f"all-reduce over {replicas} ranks" if replicas else "all-reduce",
+                                       f"grads of {len(bucket)} parameters"
+                                       f"{' (replicated heads)' if replicas else ''}: {names}")
     node.meta["val"] = tuple(m.source.meta.get("val") for m in bucket)
     prev = node
     for i, m in enumerate(bucket):

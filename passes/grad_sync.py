@@ -20,7 +20,12 @@ incoming gradient, so a parameter's mean over the ranks of its unsynced gradient
 the right one.  Only a value whose gradient can reach a floating-point graph input
 (which no FSDP2 hook averages) gets a ``grad_sync(x, axis, "avg")`` there.
 
-Reads:  ``.value`` (layouts, requires_grad), ``.collective``.
+A parameter whose heads are replicated over several ranks (``extra["head_replicas"]``,
+from ``replicate_heads``) gets ``grad_sync(w, axis, replicas=r)``: each of the ``r`` ranks
+holding a head computed the gradient of its own query heads only, and the head's
+gradient is their sum; every copy then takes the same optimizer step.
+
+Reads:  ``.value`` (layouts, requires_grad), ``.collective``, ``extra["head_replicas"]``.
 Writes: ``grad_sync`` nodes with ``.collective``; ``grad="partial"`` on folded gathers.
 """
 from __future__ import annotations
@@ -69,9 +74,31 @@ def _from_float_inputs(graph: fx.Graph) -> set[fx.Node]:
     return out
 
 
+def _sync_head_replicas(gm: fx.GraphModule) -> None:
+    for p in list(gm.graph.nodes):
+        hr = info(p).extra.get("head_replicas") if p.op == "get_attr" else None
+        v = info(p).value
+        if hr is None or not isinstance(v, TensorInfo) or not v.requires_grad:
+            continue
+        replicas = (v.shape[0] // v.local_shape[0]) // hr.heads  # the axis size over the heads
+        users = list(p.users)
+        with gm.graph.inserting_after(p):
+            s = gm.graph.call_function(runtime.grad_sync, (p, hr.axis), {"replicas": replicas})
+        m = info(s)
+        m.collective = Collective("grad_sync", hr.axis, "identity", f"all-reduce over the {replicas} ranks "
+                                  f"sharing each head", f"grad of {p.name} (replicated heads)")
+        m.value, m.region, m.rule = v, info(users[0]).region, "grad sync (replicated heads)"
+        s.meta["val"] = p.meta.get("val")
+        s.meta["nn_module_stack"] = users[0].meta.get("nn_module_stack", {})
+        s.meta["stack_trace"] = users[0].meta.get("stack_trace")
+        for u in users:
+            u.replace_input_with(p, s)
+
+
 def grad_sync(gm: fx.GraphModule, fsdp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
     """Insert gradient syncs on replicated-to-sharded consumer edges (in place)."""
     graph = gm.graph
+    _sync_head_replicas(gm)
     order = {n: i for i, n in enumerate(graph.nodes)}
     from_inputs = _from_float_inputs(graph) if fsdp_axes else set()
     for value in list(graph.nodes):

@@ -77,6 +77,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
     declared_params: dict[str, dict] = {}
     declared_by: dict[str, str] = {}  # parameter FQN -> plan pattern (provenance for fxshard.explain)
     splits: dict[str, tuple[int, ...]] = {}
+    heads: dict[str, int] = {}
     for fqn, (pattern, spec) in specs.items():
         for pname, layout in spec.params.items():
             full = f"{fqn}.{pname}"
@@ -90,6 +91,8 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
             declared_by[full] = pattern
             if spec.splits:
                 splits[full] = spec.splits
+            if spec.heads is not None:
+                heads[full] = spec.heads
     _check_tied(gm, declared_params, splits)
     _check_boundaries_marked(gm, specs)
 
@@ -115,6 +118,8 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
             meta.declared = declared_params.get(node.target, complete(None, axes))
             if node.target in splits:
                 meta.extra["splits"] = splits[node.target]
+            if node.target in heads:
+                meta.extra["heads"] = heads[node.target]
         elif node.op == "placeholder":
             meta.declared = plan.inputs.get(node.target, complete(None, axes))
         elif node.op == "call_function" and node.target in (region_input, region_output):

@@ -7,7 +7,8 @@ storage (no full copy of a large model is ever made), and training must not writ
 into the user's model.  On the meta device nothing is allocated.
 The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
 (``{fqn: (layout, global_shape)}``; fused parameters' part sizes in
-``gm.meta["fxshard_blocks"]``), from which :func:`fxshard.full_state_dict`
+``gm.meta["fxshard_blocks"]``, replicated heads' :class:`~fxshard.layout.HeadReplicas` in
+``gm.meta["fxshard_heads"]``), from which :func:`fxshard.full_state_dict`
 gathers a full checkpoint and :func:`fxshard.load_full_state_dict` slices one.
 
 Under simulated ranks (``LocalTensorMode``) the coordinate is per rank, so each
@@ -28,16 +29,18 @@ import torch.nn as nn
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Shard
 
-from fxshard.layout import blocks_on, is_replicate
+from fxshard.layout import HeadReplicas, blocks_on, is_replicate
 from fxshard.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
 
 
-def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
+def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None,
+                heads: HeadReplicas | None = None) -> torch.Tensor:
     """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first).
     With ``blocks`` (a fused parameter), each part of the sharded dim is sliced on its
-    own and the slices are concatenated."""
+    own and the slices are concatenated.  With ``heads`` (replicated heads), the dim is
+    cut into ``heads.heads`` pieces on ``heads.axis``, each held by consecutive ranks."""
     axes, coord = mesh_shape(mesh), mesh_coordinate(mesh)
     lm = enabled_local_tensor_mode()
     if lm is not None and not hasattr(t, "_local_tensors"):
@@ -47,9 +50,12 @@ def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | N
             sizes = blocks_on(blocks, p.dim)
             parts = t.split(list(sizes), p.dim) if sizes else (t,)
             pieces = []
+            ranks, index = axes[axis], coord[axis]
+            if heads is not None and heads.axis == axis and ranks > heads.heads:
+                ranks, index = heads.heads, index // (ranks // heads.heads)
             for part in parts:
-                n = part.shape[p.dim] // axes[axis]
-                pieces.append(part.narrow(p.dim, coord[axis] * n, n))
+                n = part.shape[p.dim] // ranks
+                pieces.append(part.narrow(p.dim, index * n, n))
             t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.dim)
     return t
 
@@ -58,9 +64,14 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     """Replace sharded parameters/buffers by local shards (in place)."""
     layouts: dict[str, tuple[dict, tuple[int, ...]]] = {}
     blocks: dict[str, tuple[int, ...]] = {}
+    heads: dict[str, HeadReplicas] = {}
     for node in gm.graph.nodes:
         v = info(node).value
         if node.op == "get_attr" and isinstance(v, TensorInfo):
+            hr = info(node).extra.get("head_replicas")
+            if hr is not None:  # the graph reads every head once per replica; the state holds it once
+                heads[node.target] = hr
+                v = TensorInfo(v.layout, tuple(_fetch(gm, node.target).shape), v.local_shape, v.dtype)
             layouts[node.target] = (v.layout, v.shape)
             if v.blocks:
                 blocks[node.target] = v.blocks
@@ -80,7 +91,7 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
             state[fqn] = (layout, shape)
         if id(t) not in replaced:
             if layout is not None and not is_replicate(layout):
-                local = local_slice(t.detach(), layout, mesh, blocks.get(fqn)).clone()
+                local = local_slice(t.detach(), layout, mesh, blocks.get(fqn), heads.get(fqn)).clone()
             elif lm is not None:
                 local = lm.rank_map(lambda r, t=t: t.detach().clone())
             else:  # the transform's copy aliases the input model's storage: own it now
@@ -96,7 +107,13 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
                 mod._buffers[name] = new
     gm.meta["fxshard_state"] = state
     gm.meta["fxshard_blocks"] = blocks
+    gm.meta["fxshard_heads"] = heads
     return gm
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _local_region_state(gm: fx.GraphModule, region: LocalRegion, mesh) -> dict:

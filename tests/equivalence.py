@@ -91,21 +91,27 @@ def coords_of(rank: int, mesh_shape: dict[str, int]) -> dict[str, int]:
 
 
 def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_shape: dict[str, int],
-              blocks: tuple[int, ...] | None = None, balanced: frozenset = frozenset()) -> torch.Tensor:
+              blocks: tuple[int, ...] | None = None, balanced: frozenset = frozenset(), heads=None) -> torch.Tensor:
     """The local piece of global ``t`` that a rank at ``coord`` holds in ``layout``.
 
     Axes in mesh order (outer first), ``Shard(d)`` takes chunk ``coord[axis]`` of dim
     ``d``; ``Replicate`` keeps the tensor.  ``Partial`` has no slice: ValueError.
     ``blocks``: part sizes of a fused parameter (``colwise(splits=...)``): each part of
     the sharded dim is chunked on its own; a ``DimBlocks`` names the one dim they cut.  ``balanced``: load-balanced context-parallel
-    axes, where ``Shard(d)`` takes chunks ``i`` and ``2n-1-i`` of ``2n``.
+    axes, where ``Shard(d)`` takes chunks ``i`` and ``2n-1-i`` of ``2n``.  ``heads``: a
+    ``HeadReplicas`` (fewer heads than ranks on its axis): the rank takes head
+    ``coord // (size // heads)``, the one its query heads use.
     """
     packed_dim = None
     if blocks is not None and hasattr(blocks, "sizes"):  # DimBlocks: the parts of one dim (HF's fused experts)
         packed_dim, blocks = blocks.dim, tuple(blocks.sizes)
     for axis, size in mesh_shape.items():
         p = (layout or {}).get(axis, Replicate())
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and heads is not None and heads.axis == axis and size > heads.heads:
+            d = p.dim % t.dim()
+            n = t.shape[d] // heads.heads
+            t = t.narrow(d, coord[axis] // (size // heads.heads) * n, n)
+        elif isinstance(p, Shard):
             d = p.dim % t.dim()
             if packed_dim is not None and d != packed_dim:
                 t = t.narrow(d, coord[axis] * (t.shape[d] // size), t.shape[d] // size)
@@ -380,7 +386,9 @@ def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphM
                 assert g is None or not rank_value(g, rank).any(), f"{case.name}: {where}: {fqn} has a gradient, single device has none"
                 continue
             blocks = sharded.meta.get("fxshard_blocks", {}).get(fqn)
-            _close(None if g is None else rank_value(g, rank), slice_for(want, layout, coord, mesh, blocks), case, f"{where} {step}: grad of {fqn}")
+            heads = sharded.meta.get("fxshard_heads", {}).get(fqn)
+            _close(None if g is None else rank_value(g, rank), slice_for(want, layout, coord, mesh, blocks, heads=heads), case,
+                   f"{where} {step}: grad of {fqn}")
 
 
 def _on_selected(case: Case, loss_fn: Callable) -> Callable:
@@ -509,4 +517,5 @@ def expected_local(sharded, mesh, full: torch.Tensor, fqn: str) -> torch.Tensor:
     from fxshard.passes.shard_state import local_slice
 
     layout, _ = sharded.meta["fxshard_state"].get(fqn, (None, None))
-    return local_slice(full, layout, mesh, sharded.meta["fxshard_blocks"].get(fqn)) if layout else full
+    return (local_slice(full, layout, mesh, sharded.meta["fxshard_blocks"].get(fqn), sharded.meta["fxshard_heads"].get(fqn))
+            if layout else full)

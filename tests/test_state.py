@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard import MeshSpec, Plan
+from fxshard import MeshSpec, Plan, colwise
 from fxshard.testing.models import LlamaArgs, llama, llama_plan, tokens
 
 from equivalence import coords_of, slice_for
@@ -23,6 +23,7 @@ def _plans():
     """(name, model factory, mesh shape, plan factory): 1-D tp, fused q/k/v and w1/w3
     (each part sharded on its own), and dp x tp with the batch on dp."""
     fused = LlamaArgs(n_heads=8, n_kv_heads=4, fused_qkv=True, fused_w13=True)
+    kv2 = {**llama_plan("tp"), "layers.*.attention.wk": colwise(heads=2), "layers.*.attention.wv": colwise(heads=2)}
     return [
         ("tp=4", functools.partial(llama, n_heads=8, n_kv_heads=4), {"tp": 4},
          lambda mesh: Plan(mesh, llama_plan("tp"))),
@@ -30,6 +31,9 @@ def _plans():
          lambda mesh: Plan(mesh, llama_plan("tp", fused=True, args=fused))),
         ("dp=2 x tp=2", functools.partial(llama, n_heads=8, n_kv_heads=4), {"dp": 2, "tp": 2},
          lambda mesh: Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}})),
+        # 2 KV heads on 4 ranks: ranks 0, 1 hold head 0 and ranks 2, 3 head 1; gathered once each
+        ("tp=4 kv heads replicated", functools.partial(llama, n_heads=8, n_kv_heads=2), {"tp": 4},
+         lambda mesh: Plan(mesh, kv2)),
     ]
 
 
@@ -42,7 +46,8 @@ def _modified(sd: dict) -> dict:
 def _expected_local(full: torch.Tensor, fqn: str, sharded, coord, mesh_shape) -> torch.Tensor:
     """The slice a rank holds: fused parameters are sharded part by part."""
     layout, _ = sharded.meta["fxshard_state"][fqn]
-    return slice_for(full, layout, coord, mesh_shape, sharded.meta.get("fxshard_blocks", {}).get(fqn))
+    return slice_for(full, layout, coord, mesh_shape, sharded.meta.get("fxshard_blocks", {}).get(fqn),
+                     heads=sharded.meta.get("fxshard_heads", {}).get(fqn))
 
 
 def _check_round_trip(sharded, model, mesh_shape, ranks, coord_of) -> None:
@@ -85,7 +90,7 @@ def _batch_slices(plan, coord_of, mesh_shape):
     return rank_map(lambda r: slice_for(IDS, plan.inputs["tokens"], coord_of(r), mesh_shape).clone())
 
 
-@pytest.mark.parametrize("case", range(3), ids=[p[0] for p in _plans()])
+@pytest.mark.parametrize("case", range(len(_plans())), ids=[p[0] for p in _plans()])
 def test_round_trip_simulated(case):
     name, make_model, mesh_shape, make_plan = _plans()[case]
     model = make_model()

@@ -153,6 +153,7 @@ def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str
     specs: dict[str, ModuleSpec] = {}
     if axis in axes:
         specs = _convert(hf_tp_plan(model), modules, params, axis)
+        specs = _replicated_kv_heads(specs, model, modules, axes[axis])
         specs = _tie_embeddings(specs, model, modules, axis)
         if sequence_parallel:
             specs = _sequence_parallel(specs, model, modules, axis)
@@ -166,6 +167,28 @@ def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str
                             f"or write the experts' entry: fxshard.routed_experts(ep={ep_axis!r})")
         specs = _merge_experts(specs, _convert(ep_plan, modules, params, ep_axis, experts_axis="ep"))
     return Plan(mesh, _in_module_order(specs, list(modules)))
+
+
+def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules: dict, size: int) -> dict[str, ModuleSpec]:
+    """HF's plans cut the K/V projections colwise like the queries; on an axis with more
+    ranks than ``config.num_key_value_heads`` their heads cannot be cut, so each rank holds
+    the KV head its query heads use: ``colwise(heads=num_key_value_heads)`` on the colwise
+    linears whose width is the KV heads'."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    n_kv, n_heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+    if not isinstance(n_kv, int) or not isinstance(n_heads, int) or not 0 < n_kv < n_heads or size <= n_kv:
+        return specs
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // n_heads
+    out = dict(specs)
+    for pattern, spec in specs.items():
+        if not isinstance(spec, ModuleSpec) or spec.style != "colwise" or spec.splits:
+            continue
+        rx = _pattern_regex(pattern)
+        hits = [m for fqn, m in modules.items() if rx.match(fqn)]
+        if hits and all(isinstance(m, nn.Linear) and m.out_features == n_kv * head_dim for m in hits):
+            out[pattern] = replace(spec, heads=n_kv)
+    return out
 
 
 def hf_ep_plan(model: nn.Module) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
 from .mesh import MeshSpec
 from .plan import (ContextParallel, ModuleSpec, Plan, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel,
                    vocab_parallel)
-from .runtime import all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, reduce_scatter, shard
+from .runtime import (all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, local_sizes,
+                      local_span, reduce_scatter, shard)
 from .trace import trace
 from .auto_plan import auto_plan
 from .transform import transform
@@ -46,4 +47,5 @@ __all__ = [
     "ring_attention", "context_parallel_mask", "local_positions",
     # runtime collectives called by the generated code
     "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket",
+    "local_sizes", "local_span",  # this rank's part sizes of an uneven fused projection
 ]

@@ -91,16 +91,41 @@ def is_replicate(layout: dict) -> bool:
 
 
 def local_shape(shape, layout: dict, axes: Mapping[str, int]) -> tuple[int, ...]:
-    """Local (per-rank) shape of a tensor of global ``shape`` with ``layout``.
-    Raises ValueError naming the axis when a sharded dim does not divide."""
+    """Local (per-rank) shape of a tensor of global ``shape`` with ``layout``: ``torch.chunk``
+    pieces, as DTensor's ``Shard``, so a dim that its axis does not divide is *uneven*
+    (vocab 50257 on 4 ranks: 12565, 12565, 12565, 12562) and this is the largest piece,
+    rank 0's.  A dim sharded over several axes must divide by their product, and no rank
+    may be left without a piece (5 on 4 ranks: 2, 2, 1, 0): ValueError otherwise."""
     shape = list(shape)
-    for axis, p in layout.items():
-        if isinstance(p, Shard):
-            n = axes[axis]
-            if shape[p.dim] % n:
-                raise ValueError(f"dim {p.dim} of size {shape[p.dim]} is not divisible by the size {n} of axis {axis!r}")
-            shape[p.dim] //= n
+    for d in range(len(shape)):
+        over = [axes[a] for a, p in layout.items() if isinstance(p, Shard) and p.dim == d]
+        if not over:
+            continue
+        n = 1
+        for k in over:
+            n *= k
+        if len(over) > 1 and shape[d] % n:
+            raise ValueError(f"dim {d} of size {shape[d]} is sharded over several axes, whose sizes together ({n}) do not divide it")
+        if shape[d] % n and -(-shape[d] // n) * (n - 1) >= shape[d]:
+            raise ValueError(f"dim {d} of size {shape[d]} leaves ranks without a piece")  # -1 in a view could not infer
+        shape[d] = -(-shape[d] // n)
     return tuple(shape)
+
+
+def uneven_dims(shape, layout: dict, axes: Mapping[str, int]) -> dict[int, str]:
+    """``{dim: axis}`` of the dims that their axis shards in unequal ``torch.chunk`` pieces:
+    every local size there differs by rank, so no literal can size it."""
+    return {p.dim: a for a, p in layout.items() if isinstance(p, Shard) and p.dim < len(shape) and shape[p.dim] % axes[a]}
+
+
+def chunk(size: int, n: int, i):
+    """``torch.chunk(x, n)[i]`` along a dim of ``size``: ``(start, length)``; ``i`` may be a
+    per-rank SymInt (simulated ranks)."""
+    import torch
+
+    step = -(-size // n) if size else 0
+    start = torch.sym_min(i * step, size)
+    return start, torch.sym_min(step, size - start)
 
 
 def fmt_placement(p: Placement) -> str:

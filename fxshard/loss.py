@@ -75,25 +75,30 @@ def _global_mean(total: torch.Tensor, count: torch.Tensor, axes) -> torch.Tensor
     return total / count
 
 
-def _pick(local: torch.Tensor, t: torch.Tensor, axis: str) -> torch.Tensor:
-    """``local[i, t[i]]`` for class-sharded rows, summed over the axis (replicated)."""
+def _pick(local: torch.Tensor, t: torch.Tensor, axis: str, vocab_size: int | None = None) -> torch.Tensor:
+    """``local[i, t[i]]`` for class-sharded rows, summed over the axis (replicated).
+    ``vocab_size``: the global class count where the axis does not divide it: rank ``i``'s
+    classes then start at ``i * ceil(V / n)`` (``torch.chunk``), not at ``i * n_local``."""
     n_local = local.size(-1)
-    local_t = t - runtime.local_offset(axis, n_local, t)
+    step = n_local if vocab_size is None else -(-vocab_size // runtime.axis_size(axis))
+    local_t = t - runtime.local_offset(axis, step, t)
     owned = (local_t >= 0) & (local_t < n_local)
     picked = local.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
     return runtime.all_reduce(picked * owned.to(picked.dtype), axis)
 
 
 def vocab_parallel_nll_loss(local_logp: torch.Tensor, target: torch.Tensor, axis: str,
-                            ignore_index: int = -100, reduction: str = "mean", mean_axes: tuple[str, ...] = ()) -> torch.Tensor:
+                            ignore_index: int = -100, reduction: str = "mean", mean_axes: tuple[str, ...] = (),
+                            vocab_size: int | None = None) -> torch.Tensor:
     """``nll_loss`` of log-probabilities whose class dim (dim 1) is sharded on ``axis``.
 
     The target entry is picked on the rank that owns it and summed over the axis
     (all-reduce, identity backward); the result is replicated.  ``mean_axes``: axes
     the tokens are sharded on (context parallelism): the mean is over all of them.
+    ``vocab_size``: the global class count, needed where the axis does not divide it.
     """
     logp, t = _rows(local_logp, target)
-    picked = _pick(logp, t, axis)
+    picked = _pick(logp, t, axis, vocab_size)
     valid = t != ignore_index
     per_token = torch.where(valid, -picked, torch.zeros_like(picked))
     return _reduce(per_token, valid, reduction, target.shape, mean_axes)
@@ -101,7 +106,8 @@ def vocab_parallel_nll_loss(local_logp: torch.Tensor, target: torch.Tensor, axis
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor, axis: str = "tp",
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 label_smoothing: float = 0.0, mean_axes: tuple[str, ...] = ()) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, mean_axes: tuple[str, ...] = (),
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of logits whose class dim (dim 1, or the last dim of 2-D
     logits) is sharded on ``axis``; the full logits are never gathered.
 
@@ -109,13 +115,16 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     {mean, sum, none} and ``label_smoothing`` (class weights are not supported).
     ``mean_axes``: axes the tokens are sharded on (context parallelism): the mean is
     over the tokens of all their ranks.
+    ``vocab_size``: the global class count, needed
+    where the axis does not divide it (GPT-2's 50257 on 4 ranks: ``torch.chunk`` pieces
+    of 12565, 12565, 12565 and 12562 classes).
     """
     x, t = _rows(local_logits, target)
     # loss_i = logsumexp_i - x[i, t_i]: every term is replicated, so no grad sync is needed.
     lse = _log_sum_exp(x, axis, -1).squeeze(-1)
-    per_token = lse - _pick(x, t, axis)
+    per_token = lse - _pick(x, t, axis, vocab_size)
     if label_smoothing > 0.0:
-        n_classes = x.size(-1) * runtime.axis_size(axis)
+        n_classes = vocab_size or x.size(-1) * runtime.axis_size(axis)
         smooth = lse - runtime.all_reduce(x.sum(-1), axis) / n_classes
         per_token = (1.0 - label_smoothing) * per_token + label_smoothing * smooth
     valid = t != ignore_index

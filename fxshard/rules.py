@@ -563,6 +563,11 @@ def reduction(kind: str):
                     if kind == "sum":
                         return Partial()
                     if kind == "mean":
+                        if x.shape[p.dim] % ctx.axes[axis]:  # unequal pieces: the mean of the means is not the mean
+                            raise ctx.fail(f"mean over dim {p.dim} of size {x.shape[p.dim]}, which is sharded on {axis!r} "
+                                           f"in unequal pieces, so the average of the ranks' means is not the mean",
+                                           f"sum over the dim and divide by {x.shape[p.dim]}, or make the dim a multiple "
+                                           f"of {ctx.axes[axis]}")
                         return Partial("avg")
                     raise ctx.fail(f"{kind} over dim {p.dim}, which is sharded on {axis!r}", "make that dim Replicate before the reduction")
                 return Shard(p.dim if keep else p.dim - sum(1 for d in dims if d < p.dim))
@@ -809,11 +814,18 @@ def reshape_like(ctx: Ctx):
                 if any(a[d] != 1 for d in ins[: ins.index(p.dim)]):
                     break
                 o = next((d for d in outs if b[d] != 1), None)
-                if o is None or b[o] % ctx.axes[axis]:
+                if o is None or (b[o] % ctx.axes[axis] and b[o] != a[p.dim]):  # unequal pieces: kept whole, never split
+                    break
+                if b[o] != a[p.dim] and a[p.dim] % ctx.axes[axis]:
                     break
                 return Shard(o)
         fix = "keep the sharded dim the outermost of any merged group (e.g. shard heads, not head_dim), or make it Replicate before the reshape"
         n = ctx.axes[axis]
+        if a[p.dim] % n:  # torch.chunk pieces of unequal size cannot be regrouped
+            raise ctx.fail(f"reshape {list(a)} -> {list(b)} splits or merges dim {p.dim} of size {a[p.dim]}, which is "
+                           f"sharded on {axis!r} in unequal pieces ({_pieces(a[p.dim], n)}), so they are not a shard of "
+                           f"the result", f"use a size of {axis!r} that divides {a[p.dim]} (for heads: one that divides the "
+                           f"head count), or make the dim Replicate before the reshape")
         for ins, outs in groups:  # [.., h * d] -> [.., h, d] with fewer heads than ranks: GQA's KV heads at a large tp
             real = [d for d in outs if b[d] != 1]
             if ins == [p.dim] and len(real) == 2 and b[real[0]] < n and n % b[real[0]] == 0:
@@ -824,6 +836,12 @@ def reshape_like(ctx: Ctx):
                        "so the local pieces are not a shard of the result", fix)
 
     return _layout_map(ctx, one)
+
+
+def _pieces(size: int, n: int) -> str:
+    from .shards import chunk_range
+
+    return ", ".join(str(chunk_range(size, n, i)[1]) for i in range(n))
 
 
 def like_other(rule: Callable) -> Callable:

@@ -41,6 +41,7 @@ import torch
 import torch.fx
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 
+from .layout import chunk
 from .mesh import Mesh, MeshSpec, mesh_shape
 
 __all__ = [
@@ -54,6 +55,8 @@ __all__ = [
     "all_to_all",
     "grad_sync",
     "grad_sync_bucket",
+    "local_sizes",
+    "local_span",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -215,27 +218,82 @@ def _raw_all_reduce(x: torch.Tensor, ax: _Axis, op: str = "sum") -> torch.Tensor
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, ax.group_name))
 
 
-def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
+def _padded(x: torch.Tensor, dim: int, length) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``length``: uneven pieces made equal
+    for a collective that needs them so."""
+    shape = list(x.shape)
+    shape[dim] = length - x.size(dim)
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis, size: int | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (``dim`` normalized).  The collective
     stacks the ranks' tensors on dim 0; they are concatenated along ``dim`` with one
-    ``cat`` (not two transposing copies of the whole tensor: 10x slower on logits)."""
-    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), ax.size, ax.group_name))
-    return torch.cat(y.chunk(ax.size, 0), dim) if dim != 0 else y
+    ``cat`` (not two transposing copies of the whole tensor: 10x slower on logits).
+    ``size``: the gathered dim's size when the axis does not divide it: the ranks' unequal
+    ``torch.chunk`` pieces are padded to the largest, gathered, and cut back."""
+    n = ax.size
+    if size is None or size % n == 0:
+        y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), n, ax.group_name))
+        return torch.cat(y.chunk(n, 0), dim) if dim != 0 else y
+    step = -(-size // n)
+    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(_padded(x, dim, step).contiguous(), n, ax.group_name))
+    return torch.cat([piece.narrow(dim, 0, chunk(size, n, j)[1]) for j, piece in enumerate(y.chunk(n, 0))], dim)
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
     """Sum ``x`` over the ranks and keep this rank's chunk along ``dim`` (``dim`` normalized).
-    The collective scatters dim-0 chunks: the ``dim`` chunks are laid out on dim 0 first."""
-    y = torch.cat(x.chunk(ax.size, dim), 0) if dim != 0 else x.contiguous()
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(y, "sum", ax.size, ax.group_name))
+    The collective scatters dim-0 chunks: the ``dim`` chunks are laid out on dim 0 first.
+    A dim the axis does not divide is padded to equal chunks, and each rank keeps its
+    ``torch.chunk`` piece of the sum."""
+    n, size = ax.size, x.size(dim)
+    uneven = size % n != 0
+    if uneven:
+        x = _padded(x, dim, n * -(-size // n))
+    y = torch.cat(x.chunk(n, dim), 0) if dim != 0 else x.contiguous()
+    y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(y, "sum", n, ax.group_name))
+    return y.narrow(dim, 0, chunk(size, n, _local_index(ax))[1]) if uneven else y
 
 
 def _local_chunk(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
-    n = x.size(dim) // ax.size
+    """This rank's ``torch.chunk`` piece of ``x`` along ``dim`` (smaller, or empty, on the
+    last ranks where the axis does not divide the dim)."""
+    size, n = x.size(dim), ax.size
     lm = enabled_local_tensor_mode()
     if lm is not None and not hasattr(x, "_local_tensors"):
         x = lm.rank_map(lambda r: x.clone())  # a plain tensor is the same on every simulated rank
-    return x.narrow(dim, _local_index(ax) * n, n).contiguous()
+    if size % n == 0:
+        return x.narrow(dim, _local_index(ax) * (size // n), size // n).contiguous()
+    return x.narrow(dim, *chunk(size, n, _local_index(ax))).contiguous()
+
+
+def local_sizes(sizes, axis: str) -> list:
+    """This rank's lengths of the parts ``sizes`` of a fused dim sharded on ``axis``, each part
+    cut on its own in ``torch.chunk`` pieces (``colwise(splits=[30, 30])`` on 4 ranks: ``[8, 8]``,
+    the last rank ``[6, 6]``): the split sizes of an uneven fused projection's output.
+
+    Example: ``gate, up = fxshard.local_sizes([30, 30], "tp")``
+    """
+    ax = _axis(axis)
+    index = _local_index(ax) if ax.group_name is not None else 0
+    return [chunk(int(s), ax.size, index)[1] for s in sizes]
+
+
+def local_span(sizes, axis: str, start: int, stop: int) -> tuple:
+    """This rank's ``(start, length)`` of the parts in ``[start, stop)`` of a fused dim (global
+    bounds on part boundaries, ``qkv[..., q:q + kv]``), each part cut in ``torch.chunk`` pieces:
+    the arguments of a ``narrow``.
+
+    Example: ``k = qkv.narrow(-1, *fxshard.local_span([64, 30, 30], "tp", 64, 94))``
+    """
+    local, lo, hi, pos = local_sizes(sizes, axis), 0, 0, 0
+    for size, mine in zip(sizes, local):
+        if pos < start:
+            lo = lo + mine
+        if pos < stop:
+            hi = hi + mine
+        pos += size
+    return lo, hi - lo
 
 
 def local_offset(axis: str, block: int, like: torch.Tensor):
@@ -282,22 +340,22 @@ class _AllReduce(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, dim, op):
-        ctx.ax, ctx.dim = ax, dim
+        ctx.ax, ctx.dim, ctx.size = ax, dim, x.size(dim)
         ctx.scale = 1.0 / ax.size if op == "avg" else None
         y = _raw_reduce_scatter(x, dim, ax)
         return y if ctx.scale is None else y * ctx.scale
 
     @staticmethod
     def backward(ctx, g):
-        gx = _raw_all_gather(g, ctx.dim, ctx.ax)
+        gx = _raw_all_gather(g, ctx.dim, ctx.ax, ctx.size)
         return (gx if ctx.scale is None else gx * ctx.scale), None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ax, dim, grad_partial):
+    def forward(ctx, x, ax, dim, grad_partial, size):
         ctx.ax, ctx.dim, ctx.grad_partial = ax, dim, grad_partial
-        return _raw_all_gather(x, dim, ax)
+        return _raw_all_gather(x, dim, ax, size)
 
     @staticmethod
     def backward(ctx, g):
@@ -305,18 +363,18 @@ class _AllGather(torch.autograd.Function):
             gx = _raw_reduce_scatter(g, ctx.dim, ctx.ax)
         else:
             gx = _local_chunk(g, ctx.dim, ctx.ax)
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
 class _Shard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, dim):
-        ctx.ax, ctx.dim = ax, dim
+        ctx.ax, ctx.dim, ctx.size = ax, dim, x.size(dim)
         return _local_chunk(x, dim, ax)
 
     @staticmethod
     def backward(ctx, g):
-        return _raw_all_gather(g, ctx.dim, ctx.ax), None, None
+        return _raw_all_gather(g, ctx.dim, ctx.ax, ctx.size), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -396,25 +454,28 @@ def reduce_scatter(x: torch.Tensor, axis: str, dim: int, op: str = "sum") -> tor
     """``Partial -> Shard(dim)`` on ``axis``.
 
     Forward: reduce-scatter (``op="sum"`` or ``"avg"``) along ``dim``; rank ``i`` keeps
-    chunk ``i``.  ``x.size(dim)`` must be divisible by the axis size.  Backward:
-    all-gather of the gradient along ``dim`` (scaled by ``1/n`` for ``"avg"``).
+    chunk ``i`` (``torch.chunk``'s piece: unequal where the axis does not divide the dim).
+    Backward: all-gather of the gradient along ``dim`` (scaled by ``1/n`` for ``"avg"``).
     """
     _check_op(op, "reduce_scatter")
     ax = _comm_axis(axis, "reduce_scatter")
     dim = _norm_dim(x, dim, "reduce_scatter")
-    _check_divisible(x, dim, ax, "reduce_scatter")
     if ax.size == 1:
         return x
     return _ReduceScatter.apply(x, ax, dim, op)
 
 
-def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate") -> torch.Tensor:
+def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate", size: int | None = None) -> torch.Tensor:
     """``Shard(dim) -> Replicate`` on ``axis``.
 
     Forward: all-gather along ``dim`` (rank order).  Backward depends on the layout
     of the incoming gradient: ``grad="replicate"`` takes this rank's chunk of it, no
     communication; ``grad="partial"`` reduce-scatters it along ``dim`` (a grad sync
-    folded into the gather, as in Megatron's sequence parallelism).
+    folded into the gather, as in Megatron's sequence parallelism).  ``size``: the
+    gathered size of ``dim`` where the axis does not divide it (the ranks hold unequal
+    ``torch.chunk`` pieces, padded on the wire).
+
+    Example: ``logits = fxshard.all_gather(local_logits, "tp", -1, size=50257)``
     """
     if grad not in ("replicate", "partial"):
         raise ValueError(f"fxshard.all_gather: grad must be 'replicate' or 'partial', got {grad!r}")
@@ -422,19 +483,18 @@ def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate") ->
     dim = _norm_dim(x, dim, "all_gather")
     if ax.size == 1:
         return x
-    return _AllGather.apply(x, ax, dim, grad == "partial")
+    return _AllGather.apply(x, ax, dim, grad == "partial", size)
 
 
 def shard(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     """``Replicate -> Shard(dim)`` on ``axis``.
 
-    Forward: this rank's chunk of ``x`` along ``dim``, no communication.
-    ``x.size(dim)`` must be divisible by the axis size.  Backward: all-gather of the
-    gradient along ``dim``.
+    Forward: this rank's ``torch.chunk`` piece of ``x`` along ``dim``, no communication
+    (smaller on the last ranks where the axis does not divide the dim).  Backward:
+    all-gather of the gradient along ``dim``.
     """
     ax = _comm_axis(axis, "shard")
     dim = _norm_dim(x, dim, "shard")
-    _check_divisible(x, dim, ax, "shard")
     if ax.size == 1:
         return x
     return _Shard.apply(x, ax, dim)
@@ -498,6 +558,8 @@ def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
 
 
 torch.fx.wrap("axis_size")
+torch.fx.wrap("local_sizes")
+torch.fx.wrap("local_span")
 torch.fx.wrap("all_reduce")
 torch.fx.wrap("reduce_scatter")
 torch.fx.wrap("all_gather")
@@ -508,6 +570,6 @@ torch.fx.wrap("grad_sync_bucket")
 
 # Generated code names these ops by their qualified name: ``fxshard.all_reduce`` reads
 # as ``fxshard_all_reduce(x, 'tp')`` in ``gm.code`` (the package re-exports them).
-for _op in (all_reduce, reduce_scatter, all_gather, shard, all_to_all, grad_sync, grad_sync_bucket):
+for _op in (all_reduce, reduce_scatter, all_gather, shard, all_to_all, grad_sync, grad_sync_bucket, local_sizes, local_span):
     _op.__module__ = "fxshard"
 del _op

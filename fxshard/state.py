@@ -43,12 +43,11 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
             for axis, p in reversed(list(layout.items())):  # innermost axis first
                 if isinstance(p, Shard):
                     parts = blocks_on(blocks.get(fqn), p.dim)
-                    if parts:  # gather each part of a fused parameter on its own
-                        n = runtime.axis_size(axis)
-                        local = t.split([s // n for s in parts], p.dim)
-                        t = torch.cat([runtime.all_gather(x, axis, p.dim) for x in local], p.dim)
-                    else:
-                        t = runtime.all_gather(t, axis, p.dim)
+                    if parts:  # gather each part of a fused parameter on its own (torch.chunk pieces of each)
+                        local = t.split(runtime.local_sizes(parts, axis), p.dim)
+                        t = torch.cat([runtime.all_gather(x, axis, p.dim, size=s) for x, s in zip(local, parts)], p.dim)
+                    else:  # the global size: unequal pieces where the axis does not divide it
+                        t = runtime.all_gather(t, axis, p.dim, size=_gathered_size(shape, p.dim, fqn, heads, axis))
                     hr = heads.get(fqn)
                     if hr is not None and hr.axis == axis and runtime.axis_size(axis) > hr.heads:
                         # every head arrives once per rank that shares it: keep one copy
@@ -56,6 +55,13 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
                         t = t.unflatten(p.dim, (hr.heads, replicas, -1)).select(p.dim + 1, 0).flatten(p.dim, p.dim + 1)
         out[fqn] = t.clone()
     return out
+
+
+def _gathered_size(shape, dim: int, fqn: str, heads: dict, axis: str) -> int | None:
+    hr = heads.get(fqn)
+    if shape is None or (hr is not None and hr.axis == axis):
+        return None  # replicated heads: every rank holds a whole head
+    return shape[dim]
 
 
 def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -90,7 +90,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             expert_parallel(gm)
             defer_bias(gm)
             vocab_parallel_embedding(gm, axes)
-            loss_parallel(gm)
+            loss_parallel(gm, axes)
             global_mean_loss(gm)
             redistribute(gm, axes)
             grad_sync(gm, fsdp_axes)

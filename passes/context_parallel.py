@@ -52,6 +52,10 @@ def context_parallel(gm: fx.GraphModule, axes: dict[str, int], cp_axes: dict) ->
         qi = info(q).value
         nd = len(qi.shape)
         n = axes[cp.axis]
+        if qi.shape[nd - 2] % n:
+            raise node_error(node, f"context parallelism cuts the sequence into {n} pieces ({cp.axis}={n}), but it has "
+                                   f"{qi.shape[nd - 2]} tokens, and the ring exchanges equal blocks",
+                             f"use a sequence length divisible by {n} (pad it)")
         if cp.load_balance and qi.shape[nd - 2] % (2 * n):
             raise node_error(node, f"load-balanced context parallelism cuts the sequence into {2 * n} chunks (2 x {cp.axis}={n}), "
                                    f"but it has {qi.shape[nd - 2]} tokens",

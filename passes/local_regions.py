@@ -53,7 +53,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import runtime
 from fxshard.errors import PlanError, SignatureMismatchError
-from fxshard.layout import local_shape
+from fxshard.layout import local_shape, uneven_dims
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
 from fxshard.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
 from fxshard.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
@@ -70,6 +70,7 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         if node.op != "call_module" or not isinstance(region, LocalRegion):
             continue
         module = gm.get_submodule(node.target)
+        _refuse_uneven(gm, node, region, axes)
         if isinstance(module, fx.GraphModule) and module.meta.get("fxshard_region") == region.fqn:
             info(node).extra["region"] = "carved"  # a module called twice: carved at its first call
             _pass_lifted(gm, node, region, module.meta["fxshard_lifted"], axes)
@@ -358,6 +359,21 @@ def _sync_in_graph(carved: fx.GraphModule, region: LocalRegion, syncs: dict[str,
         swap_forward(carved.get_submodule(owner), with_grad_sync(names))
     graph.lint()
     return lifted
+
+
+def _refuse_uneven(gm: fx.GraphModule, node: fx.Node, region: LocalRegion, axes: dict[str, int]) -> None:
+    """A local region runs its own code on local tensors, sized for equal pieces (its
+    experts' slices, its all-to-all rows): a tensor its axes cut unequally is refused."""
+    own = dict(gm.named_parameters(remove_duplicate=False))
+    own.update(gm.named_buffers(remove_duplicate=False))
+    tensors = [(f"parameter {fqn!r}", tuple(own[fqn].shape), layout) for fqn, layout in region.params.items() if fqn in own]
+    tensors += [(f"input `{a.name}`", tuple(t.shape), t.layout) for a in node.all_input_nodes
+                if isinstance(t := tensor_info(a), TensorInfo)]
+    for what, shape, layout in tensors:
+        for d, axis in uneven_dims(shape, layout, axes).items():
+            raise PlanError(f"local region {region.fqn!r}: {what} of shape {list(shape)} is sharded on {axis!r} along "
+                            f"dim {d} in unequal pieces, which a local region cannot take\n  fix: use sizes {axis!r} "
+                            f"divides ({shape[d]} is not a multiple of {axes[axis]}), or shard another dim")
 
 
 def _pass_lifted(gm: fx.GraphModule, call: fx.Node, region: LocalRegion, lifted: list[tuple[str, tuple[str, ...], str]],

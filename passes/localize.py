@@ -26,6 +26,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import runtime
 from fxshard.errors import node_error
+from fxshard.layout import uneven_dims
+from fxshard.rules import _pieces, view_groups
 from fxshard.meta import SizeInfo, TensorInfo, info
 
 _SIZED_METHODS = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full"}
@@ -70,7 +72,7 @@ def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str,
         if not isinstance(out, TensorInfo):
             continue
         if info(node).rewrite == "arange_offset":
-            _arange_offset(gm.graph, node, out, load_balanced)
+            _arange_offset(gm.graph, node, out, load_balanced, axes)
             continue
         if node.op == "call_method" and node.target == "unflatten" or node.target is torch.unflatten:
             _unflatten(node, out, axes)
@@ -82,7 +84,7 @@ def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str,
         if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and isinstance(info(sizes[0]).value, SizeInfo) and isinstance(info(sizes[0]).value.axes, tuple):
             continue  # x.view(y.shape): sizes of a tensor with the same layout
         offset = len(out.shape) - len(sizes)
-        new = [_local_size(node, s, d + offset, out, axes) for d, s in enumerate(sizes)]
+        new = [_local_size(node, s, d + offset, out, axes) for d, s in enumerate(_infer_uneven(node, sizes, offset, out, axes))]
         if new != sizes:
             args = list(node.args)
             if packed:
@@ -96,6 +98,60 @@ def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str,
 
 def _sharding(out: TensorInfo, d: int) -> frozenset:
     return frozenset(a for a, p in out.layout.items() if isinstance(p, Shard) and p.dim == d)
+
+
+def _infer_uneven(node, sizes: list, offset: int, out: TensorInfo, axes) -> list:
+    """A literal size of a dim sharded in unequal pieces has no one local value: a ``view``,
+    ``reshape`` or ``unflatten`` infers it (``-1``), an ``expand`` keeps the input's size
+    (``-1``) where the input has that dim too; anything else is a PlanError."""
+    uneven = [d - offset for d in uneven_dims(out.shape, out.layout, axes) if d >= offset]
+    uneven = [i for i in uneven if isinstance(sizes[i], int) and sizes[i] != -1]
+    if not uneven:
+        return sizes
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    x = info(src).value if src is not None else None
+    new = list(sizes)
+    for i in uneven:
+        d = i + offset
+        reshaping = node.target in ("view", "reshape", "unflatten", torch.reshape, torch.unflatten)
+        same = _same_dim(node, x, out, d)  # the input dim this one is (same size, same pieces)
+        if reshaping and -1 not in new:
+            new[i] = -1
+        elif node.target == "expand" and same is not None:
+            new[i] = -1
+        elif reshaping and same is not None:  # x.view(-1, V): V is the input's own local size
+            with node.graph.inserting_before(node):
+                read = node.graph.call_method("size", (src, same))
+            read.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+            read.meta["val"] = out.shape[d]
+            info(read).value = SizeInfo(out.shape[d], _sharding(out, d))
+            info(read).region, info(read).rule = info(node).region, "local size of an uneven dim"
+            new[i] = read
+        else:
+            (axis,) = {a for dd, a in uneven_dims(out.shape, out.layout, axes).items() if dd == d}
+            raise node_error(node, f"dim {d} of size {out.shape[d]} is sharded on {axis!r} in unequal pieces "
+                                   f"(torch.chunk: {_pieces(out.shape[d], axes[axis])}), so its literal size {sizes[i]} "
+                                   f"has no one local value",
+                             f"size that dim with -1 or with a size read from the tensor (x.size({d})), or make it a "
+                             f"multiple of {axes[axis]}")
+    return new
+
+
+def _same_dim(node, x, out: TensorInfo, d: int) -> int | None:
+    """The dim of the input that dim ``d`` of the result is, unchanged (a reshape that
+    keeps it whole, an expand that keeps its size), laid out the same; else None."""
+    if not isinstance(x, TensorInfo):
+        return None
+    if node.target == "expand":
+        k = d - (len(out.shape) - len(x.shape))
+        k = k if k >= 0 and x.shape[k] == out.shape[d] else None
+    else:
+        k = None
+        for ins, outs in view_groups(tuple(x.shape), tuple(out.shape)):
+            whole_in, whole_out = [a for a in ins if x.shape[a] != 1], [o for o in outs if out.shape[o] != 1]
+            if whole_out == [d] and len(whole_in) == 1 and x.shape[whole_in[0]] == out.shape[d]:
+                k = whole_in[0]
+    return k if k is not None and _sharding(x, k) == _sharding(out, d) else None
 
 
 def _local_size(node, s, d, out: TensorInfo, axes):
@@ -123,6 +179,11 @@ def _rescaled(node: fx.Node, s: fx.Node, sharded: frozenset, axes, what: str):
                                f"follow, but that dim is sharded on {sorted(sharded)}",
                          "size that dim with a literal, or read the size from a tensor sharded the same way")
     have, want = math.prod(axes[a] for a in src_axes), math.prod(axes[a] for a in sharded)
+    if isinstance(v.value, int) and (v.value % have or v.value % want):
+        raise node_error(node, f"{what} is sized by `{s.name}`, read from a dim sharded on {sorted(src_axes)}, but that dim "
+                               f"is sharded on {sorted(sharded)}, and a size of {v.value} is cut in unequal pieces, so no "
+                               f"ratio turns one local size into the other",
+                         "read the size from a tensor sharded the same way, or use sizes the axes divide")
     op, k = (operator.mul, have // want) if have % want == 0 else (operator.floordiv, want // have)
     if have % want and want % have:
         raise node_error(node, f"{what} is sized by `{s.name}`, read from a dim sharded on {sorted(src_axes)}, but that dim is "
@@ -184,12 +245,29 @@ def _part_slice_bounds(node, x: TensorInfo, idx: tuple, axes) -> None:
         if sharded and it != slice(None):
             k = math.prod(axes[a] for a in sharded)
             start, stop, _ = it.indices(x.shape[d])
-            new[i] = slice(start // k, stop // k)
+            if any(p % k for p in x.blocks) and len(sharded) == 1:  # parts in torch.chunk pieces: bounds at run time
+                if any(it2 is not Ellipsis and it2 != slice(None) for j, it2 in enumerate(idx) if j != i):
+                    raise node_error(node, f"this slice of the fused parts {list(x.blocks)}, cut in unequal pieces on "
+                                           f"{sorted(sharded)}, also indexes other dims", "slice the parts alone, then the rest")
+                with node.graph.inserting_before(node):
+                    span = node.graph.call_function(runtime.local_span, (list(x.blocks), next(iter(sharded)), start, stop))
+                    lo = node.graph.call_function(operator.getitem, (span, 0))
+                    length = node.graph.call_function(operator.getitem, (span, 1))
+                    narrow = node.graph.call_method("narrow", (node.args[0], d, lo, length))
+                for n in (span, lo, length, narrow):
+                    n.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+                    info(n).region, info(n).rule = info(node).region, "this rank's piece of the parts"
+                narrow.meta["val"], info(narrow).value = node.meta.get("val"), info(node).value
+                node.replace_all_uses_with(narrow)
+                node.graph.erase_node(node)
+                return
+            else:
+                new[i] = slice(start // k, stop // k)
     if new != list(idx):
         node.args = (node.args[0], tuple(new) if isinstance(node.args[1], tuple) else new[0], *node.args[2:])
 
 
-def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balanced=()) -> None:
+def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balanced=(), axes=None) -> None:
     """``arange(n_local)`` counts from 0 on every rank; the single-device positions of
     this rank's shard start at ``index_on_axis * n_local``.  On a load-balanced axis
     they are two ranges: the arange becomes ``fxshard.local_positions``."""
@@ -197,6 +275,10 @@ def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balance
     if axis in load_balanced:
         _as_positions(graph, node, out, axis)
         return
+    if axes is not None and out.shape[0] % axes[axis]:
+        raise node_error(node, f"positions of a length {out.shape[0]} sharded on {axis!r} in unequal pieces: the rank's "
+                               f"offset is not its index times its own length",
+                         f"use a sequence length that {axis!r} divides")
     users = list(node.users)
     with graph.inserting_after(node):
         offset = graph.call_function(runtime.local_offset, (axis, node.args[-1], node))
@@ -293,7 +375,7 @@ def _unflatten(node, out: TensorInfo, axes):
     dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
     sizes = list(node.args[2] if len(node.args) > 2 else node.kwargs["sizes"])
     dim = dim % (len(out.shape) - len(sizes) + 1)
-    new = [_local_size(node, s, dim + i, out, axes) for i, s in enumerate(sizes)]
+    new = [_local_size(node, s, dim + i, out, axes) for i, s in enumerate(_infer_uneven(node, sizes, dim, out, axes))]
     if new != sizes:
         args = list(node.args)
         args[2] = tuple(new)
@@ -313,5 +395,16 @@ def _split(node, axes):
         return
     k = math.prod(axes[a] for a in sharded)
     sizes = node.args[1]
+    if any(p % k for p in ([sizes] if isinstance(sizes, int) else sizes)):
+        if isinstance(sizes, int) or len(sharded) != 1:
+            raise node_error(node, f"split into pieces of {sizes} along dim {dim}, sharded on {sorted(sharded)} in unequal "
+                                   f"pieces, which have no one local size", f"use part sizes that {k} divides")
+        (axis,) = sharded  # each part cut in torch.chunk pieces: the rank's sizes are read at run time
+        with node.graph.inserting_before(node):
+            local = node.graph.call_function(runtime.local_sizes, (list(sizes), axis))
+        local.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
+        info(local).region, info(local).rule = info(node).region, "this rank's part sizes"
+        node.args = (node.args[0], local, *node.args[2:])
+        return
     new = sizes // k if isinstance(sizes, int) else type(sizes)(s // k for s in sizes)
     node.args = (node.args[0], new, *node.args[2:])

@@ -38,8 +38,10 @@ def _vocab_axis(node: fx.Node, x: fx.Node, dim: int) -> str:
     return axes[0]
 
 
-def loss_parallel(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite losses over vocab-sharded logits (in place)."""
+def loss_parallel(gm: fx.GraphModule, axes: dict[str, int] | None = None) -> fx.GraphModule:
+    """Rewrite losses over vocab-sharded logits (in place).  ``axes``: the mesh axis sizes;
+    a vocab the axis does not divide is passed on as ``vocab_size=`` (its ranks hold
+    unequal ``torch.chunk`` pieces)."""
     for node in gm.graph.nodes:
         if info(node).rewrite != "loss_parallel":
             continue
@@ -54,6 +56,9 @@ def loss_parallel(gm: fx.GraphModule) -> fx.GraphModule:
             kwargs = {"ignore_index": a.get("ignore_index", -100), "reduction": a.get("reduction", "mean")}
             if info(node).extra.get("mean_axes"):  # tokens sharded on a context-parallel axis too
                 kwargs["mean_axes"] = tuple(info(node).extra["mean_axes"])
+            vocab = info(x).value.shape[1 if len(info(x).value.shape) > 1 else 0]
+            if axes is not None and vocab % axes[axis]:
+                kwargs["vocab_size"] = vocab
             if target is F.cross_entropy:
                 kwargs["label_smoothing"] = a.get("label_smoothing", 0.0)
                 node.target = vocab_parallel_cross_entropy

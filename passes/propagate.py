@@ -81,11 +81,7 @@ def _check_splits(node, value: TensorInfo, splits, axes):
     if sum(splits) != value.shape[dim]:
         raise node_error(node, f"splits={list(splits)} add up to {sum(splits)}, but dim {dim} of {node.target!r} has size {value.shape[dim]}",
                          f"give the sizes of the fused parts, which add up to {value.shape[dim]}")
-    bad = [s for s in splits if s % axes[axis]]
-    if bad:
-        raise node_error(node, f"parts {bad} of splits={list(splits)} are not divisible by the size {axes[axis]} of axis {axis!r}",
-                         f"use a {axis!r} size that divides every part")
-    return tuple(splits)
+    return tuple(splits)  # a part the axis does not divide is cut in torch.chunk pieces, as a whole dim is
 
 
 _BLOCK_PRESERVING = {"contiguous", "float", "to", "clone", "type_as", "half", "bfloat16"}
@@ -223,8 +219,12 @@ def _not_dividing(node, shape, layout, axes, what):
             n *= axes[a]
         if over and shape[d] % n:
             if len(over) == 1:
-                problem = f"dim {d} of size {shape[d]} is not divisible by the size {n} of axis {over[0]!r}"
-                fix = f"make dim {d} a multiple of {n}, shard another dim, or use a smaller {over[0]!r} axis"
+                if -(-shape[d] // n) * (n - 1) < shape[d]:
+                    continue  # unequal torch.chunk pieces, every rank holding one
+                pieces = [min(-(-shape[d] // n), max(0, shape[d] - i * -(-shape[d] // n))) for i in range(n)]
+                problem = (f"dim {d} of size {shape[d]} cut in torch.chunk pieces over the {n} ranks of axis {over[0]!r} "
+                           f"leaves ranks without a piece ({', '.join(map(str, pieces))})")
+                fix = f"use fewer ranks on {over[0]!r} for this dim, make it at least {n} and ideally a multiple, or shard another dim"
             else:
                 problem = (f"dim {d} of size {shape[d]} is sharded over axes {over}, whose sizes together ({n}) "
                            f"do not divide it")

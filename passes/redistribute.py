@@ -31,6 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard import runtime
 from fxshard.boundary import is_marker
 from fxshard.layout import fmt_placement, local_shape
+from fxshard.errors import node_error
 from fxshard.meta import Boundary, Collective, TensorInfo, info
 
 
@@ -90,7 +91,7 @@ def _steps(src: dict, dst: dict) -> list[tuple[str, object, object]]:
     return steps
 
 
-def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d):
+def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d, axes: dict[str, int]):
     if isinstance(s, Partial):
         avg = s.reduce_op == "avg"  # propagate admits sum and avg only
         if isinstance(d, Replicate):
@@ -102,10 +103,17 @@ def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d):
             return graph.call_function(runtime.reduce_scatter, args), Collective(
                 "reduce_scatter", axis, "reduce-scatter (avg)" if avg else "reduce-scatter", "all-gather, 1/n" if avg else "all-gather")
     if isinstance(s, Shard) and isinstance(d, Replicate):
-        return graph.call_function(runtime.all_gather, (x, axis, s.dim)), Collective("all_gather", axis, "all-gather", "local chunk")
+        size = info(x).value.shape[s.dim] if isinstance(info(x).value, TensorInfo) else None
+        kwargs = {"size": size} if size is not None and size % axes[axis] else {}  # unequal pieces, padded on the wire
+        return graph.call_function(runtime.all_gather, (x, axis, s.dim), kwargs), Collective("all_gather", axis, "all-gather", "local chunk")
     if isinstance(s, Replicate) and isinstance(d, Shard):
         return graph.call_function(runtime.shard, (x, axis, d.dim)), Collective("shard", axis, "local chunk", "all-gather")
     if isinstance(s, Shard) and isinstance(d, Shard):
+        shape = info(x).value.shape if isinstance(info(x).value, TensorInfo) else None
+        if shape is not None and (shape[s.dim] % axes[axis] or shape[d.dim] % axes[axis]):
+            raise node_error(x, f"the change {fmt_placement(s)} -> {fmt_placement(d)} on {axis!r} of a tensor of shape "
+                                f"{list(shape)} is an all-to-all of unequal pieces, which fxshard does not do",
+                             f"go through Replicate, or use sizes {axis!r} divides")
         return graph.call_function(runtime.all_to_all, (x, axis, s.dim, d.dim)), Collective("all_to_all", axis, "all-to-all", "all-to-all")
     raise AssertionError(f"unsupported change {fmt_placement(s)} -> {fmt_placement(d)}")  # propagate rejects these
 
@@ -131,7 +139,7 @@ def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
                     layout[axis] = d
                     continue
                 with graph.inserting_before(node):
-                    new, coll = _emit(graph, x, axis, s, d)
+                    new, coll = _emit(graph, x, axis, s, d, axes)
                 layout[axis] = d
                 kind = meta.declared.kind if isinstance(meta.declared, Boundary) else node.target.__name__[len("region_"):]
                 coll.purpose = f"{kind} {name!r} of {fqn}"

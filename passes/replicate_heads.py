@@ -41,6 +41,7 @@ from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.layout import HeadReplicas
 from fxshard.meta import info
+from fxshard.rules import view_groups
 
 
 @dataclass(frozen=True)
@@ -327,10 +328,7 @@ def _scale_literal(rw, node, sizes: list, i: int, *, up: bool) -> None:
 
 def _reshaped(rw, node, h: _Heads):
     src, dst = _shape(node.args[0]), _shape(node)
-    groups = _reshape_groups(src, dst)
-    if groups is None:
-        raise rw.fail(node, "reshapes across the heads dim in a way fxshard cannot follow")
-    for ins, outs in groups:
+    for ins, outs in view_groups(src, dst):
         if h.dim not in ins:
             continue
         ins = [d for d in ins if src[d] != 1 or d in (h.dim, h.group)]
@@ -364,31 +362,6 @@ def _prod(xs) -> int:
     for x in xs:
         p *= x
     return p
-
-
-def _reshape_groups(src, dst):
-    """Pair runs of input and output dims with equal products (``[b, s, 16] -> [b, s, 2, 8]``:
-    ``([0], [0]), ([1], [1]), ([2], [2, 3])``); trailing size-1 dims join the last run."""
-    groups, i, j = [], 0, 0
-    while i < len(src) and j < len(dst):
-        ins, outs, a, b = [i], [j], src[i], dst[j]
-        i, j = i + 1, j + 1
-        while a != b:
-            if a < b and i < len(src):
-                a, i = a * src[i], i + 1
-                ins.append(i - 1)
-            elif a > b and j < len(dst):
-                b, j = b * dst[j], j + 1
-                outs.append(j - 1)
-            else:
-                return None
-        groups.append((ins, outs))
-    if any(src[k] != 1 for k in range(i, len(src))) or any(dst[k] != 1 for k in range(j, len(dst))):
-        return None
-    if groups:
-        groups[-1][0].extend(range(i, len(src)))
-        groups[-1][1].extend(range(j, len(dst)))
-    return groups
 
 
 def _expanded(rw, node, h: _Heads) -> _Heads:

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Shard
 
-from fxshard.layout import HeadReplicas, blocks_on, is_replicate
+from fxshard.layout import HeadReplicas, blocks_on, chunk, is_replicate
 from fxshard.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
@@ -53,9 +53,10 @@ def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | N
             ranks, index = axes[axis], coord[axis]
             if heads is not None and heads.axis == axis and ranks > heads.heads:
                 ranks, index = heads.heads, index // (ranks // heads.heads)
-            for part in parts:
-                n = part.shape[p.dim] // ranks
-                pieces.append(part.narrow(p.dim, index * n, n))
+            for part in parts:  # torch.chunk pieces: the last ranks hold less where the axis does not divide
+                size = part.shape[p.dim]
+                pieces.append(part.narrow(p.dim, index * (size // ranks), size // ranks) if size % ranks == 0
+                              else part.narrow(p.dim, *chunk(size, ranks, index)))
             t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.dim)
     return t
 

@@ -1,6 +1,8 @@
 """vocab_parallel_embedding: lookups into a vocab-sharded (``Shard(0)``) embedding.
 
-Each rank holds rows ``[start, start + V/n)``.  Ids outside that range are masked,
+Each rank holds rows ``[start, start + V/n)``: ``torch.chunk``'s rows, so where the axis
+does not divide the vocab (GPT-2's 50257) the last ranks hold fewer, counted by a
+second buffer ``<module>.vocab_rows`` sharded the same way.  Ids outside that range are masked,
 shifted, looked up and their rows zeroed, so the output is ``Partial``: summing it over
 the axis (the module's ``out`` boundary: all-reduce, or reduce-scatter for sequence
 parallel) gives exactly the single-device rows.  ``start`` is a non-persistent
@@ -21,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import node_error
 from fxshard.layout import local_shape
+from fxshard.shards import chunk_range
 from fxshard.meta import TensorInfo, info
 
 
@@ -38,12 +41,17 @@ def vocab_parallel_embedding(gm: fx.GraphModule, axes: dict[str, int]) -> fx.Gra
             raise node_error(node, f"the embedding vocab is sharded on several axes {vocab_axes}", "shard the vocab on one axis")
         (axis,) = vocab_axes
         n = axes[axis]
-        v_local = w.local_shape[0]
         padding_idx = node.kwargs.get("padding_idx")
         owner = weight.target.rsplit(".", 1)[0] if "." in weight.target else ""
         mod = gm.get_submodule(owner) if owner else gm
-        mod.register_buffer("vocab_start", torch.arange(n, dtype=torch.long) * v_local, persistent=False)
+        # torch.chunk rows: where the axis does not divide the vocab, the last ranks hold fewer
+        pieces = [chunk_range(w.shape[0], n, i) for i in range(n)]
+        mod.register_buffer("vocab_start", torch.tensor([a for a, _ in pieces], dtype=torch.long), persistent=False)
         start_target = f"{owner}.vocab_start" if owner else "vocab_start"
+        even = w.shape[0] % n == 0
+        if not even:
+            mod.register_buffer("vocab_rows", torch.tensor([k for _, k in pieces], dtype=torch.long), persistent=False)
+        v_local = w.local_shape[0]
 
         def meta(new, layout, shape, lshape, dtype, grad=False, val=None):
             m = info(new)
@@ -58,6 +66,10 @@ def vocab_parallel_embedding(gm: fx.GraphModule, axes: dict[str, int]) -> fx.Gra
             meta(start, start_layout, (n,), local_shape((n,), start_layout, axes), torch.long)
             shifted = meta(graph.call_function(operator.sub, (ids, start)), id_info.layout, id_info.shape, id_info.local_shape, id_info.dtype)
             below = meta(graph.call_function(operator.lt, (shifted, 0)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
+            if not even:  # the rank's own row count, from a buffer: the code is the same on every rank
+                rows = graph.get_attr(f"{owner}.vocab_rows" if owner else "vocab_rows")
+                meta(rows, start_layout, (n,), local_shape((n,), start_layout, axes), torch.long)
+                v_local = rows
             above = meta(graph.call_function(operator.ge, (shifted, v_local)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
             outside = meta(graph.call_function(operator.or_, (below, above)), id_info.layout, id_info.shape, id_info.local_shape, torch.bool)
             local_ids = meta(graph.call_method("masked_fill", (shifted, outside, 0)), id_info.layout, id_info.shape, id_info.local_shape, id_info.dtype)

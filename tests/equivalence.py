@@ -119,6 +119,11 @@ def slice_for(t: torch.Tensor, layout: dict | None, coord: dict[str, int], mesh_
             parts = t.split(list(blocks), d) if blocks else (t,)
             pieces = []
             for part in parts:
+                if part.shape[d] % size and axis not in balanced:  # torch.chunk: the last ranks hold less
+                    step = -(-part.shape[d] // size)
+                    start = min(coord[axis] * step, part.shape[d])
+                    pieces.append(part.narrow(d, start, min(step, part.shape[d] - start)))
+                    continue
                 assert part.shape[d] % size == 0, f"dim {d} of {tuple(part.shape)} does not divide by {axis}={size}"
                 n = part.shape[d] // size
                 if axis in balanced:

@@ -112,9 +112,13 @@ def simulated(mesh_shape: dict[str, int]) -> Iterator[DeviceMesh]:
     :func:`rank_map` hold one value per rank and collectives are computed locally.
     Leaves the mode and destroys the process group on exit, also on error.
     """
-    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if not hasattr(LocalIntNode, "str"):
+        # torch 2.13's per-rank size (uneven shards: a different size on each simulated rank)
+        # lacks SymNode.str, which some ops' checks call (rms_norm); a real rank has plain ints
+        LocalIntNode.str = lambda self: repr(self)
     if dist.is_initialized():
         raise RuntimeError("simulated(): a process group is already initialised")
     world_size = math.prod(mesh_shape.values())

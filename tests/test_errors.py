@@ -70,9 +70,10 @@ def test_axis_not_on_the_mesh():
 
 
 def test_sharded_dim_not_divisible():
+    """64 features on 3 ranks are torch.chunk pieces, but the heads view cannot regroup them."""
     fails_cleanly(llama(n_heads=8, n_kv_heads=4), Plan(tp(3), llama_plan("tp")), (IDS,),
-                  "layers.0.attention.wq", "dim 0 of size 64 is not divisible by the size 3 of axis 'tp'",
-                  "make dim 0 a multiple of 3")
+                  "layers.0.attention", "dim 2 of size 64, which is sharded on 'tp' in unequal pieces (22, 22, 20)",
+                  "use a size of 'tp' that divides 64")
 
 
 def test_out_src_that_disagrees_with_propagation():

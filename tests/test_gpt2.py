@@ -18,6 +18,11 @@ def gpt2_with_loss(tied):
     return WithLoss(gpt2(tied=tied))
 
 
+def gpt2_50257_with_loss(tied):
+    """GPT-2's real vocabulary, which no tp size divides: 50257 = 4 x 12564 + 1."""
+    return WithLoss(gpt2(tied=tied, vocab_size=50257))
+
+
 def gpt2_logits(tied):
     return gpt2(tied=tied)
 
@@ -44,6 +49,15 @@ def _loss_case(model, plan, mesh_shape, **kw):
     ids, tgt = tokens(2, 8, V, seed=0), tokens(2, 8, V, seed=1)
     tgt[1, :2] = -100  # ignored tokens take part too
     return Case(model, plan, (ids, tgt), mesh_shape, loss_fn=weighted_sum, targets=(torch.tensor(1.0),), **kw)
+
+
+def _vocab_50257_case(tied, mesh_shape, **kw):
+    ids, tgt = tokens(2, 8, 50257, seed=0), tokens(2, 8, 50257, seed=1)
+    ids[0, :4] = torch.tensor([0, 12565, 37694, 50256])  # first and last rows, either side of a rank's boundary
+    tgt[0, :4] = torch.tensor([12564, 37695, 50256, 0])
+    tgt[1, :2] = -100
+    return Case(functools.partial(gpt2_50257_with_loss, tied), functools.partial(gpt2_loss_plan, sp=False), (ids, tgt),
+                mesh_shape, loss_fn=weighted_sum, targets=(torch.tensor(1.0),), **kw)
 
 
 def _logits_case(model, plan, mesh_shape, **kw):
@@ -97,8 +111,20 @@ def test_real_tp2():
     ])
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gpt2_vocab_50257_tp4_vocab_parallel_and_loss_parallel_simulated(tied):
+    """Ranks hold 12565, 12565, 12565 and 12562 rows of the embedding (and of the tied head):
+    the lookups, the loss and every gradient equal one device's; the code is the same on every rank."""
+    _simulate(_vocab_50257_case(tied, {"tp": 4}))
+    sharded = fxshard.transform(gpt2_50257_with_loss(tied), gpt2_loss_plan(fxshard.MeshSpec(("tp",), (4,)), sp=False),
+                                _vocab_50257_case(tied, {"tp": 4}).inputs)
+    assert sharded.model.wte.vocab_start.tolist() == [0] and "vocab_size = 50257" in sharded.code
+    assert "12565" not in sharded.code and "12562" not in sharded.code  # no rank's local size is a literal
+
+
 def test_real_tp4():
     check_real_cases(4, [
+        _vocab_50257_case(True, {"tp": 4}, name="gpt2 vocab 50257 lp tp4"),
         _loss_case(functools.partial(gpt2_with_loss, False), functools.partial(gpt2_loss_plan, sp=True), {"tp": 4}, name="gpt2 sp lp tp4"),
         _loss_case(fused_llama_with_loss, functools.partial(fused_llama_plan, sp=False), {"tp": 4}, name="fused llama lp tp4"),
     ])

@@ -100,3 +100,25 @@ def test_deferred_bias_is_exact(tp):
     bias = next(n for n in sharded.graph.nodes if n.op == "get_attr" and n.target == "fc2.bias")
     (add,) = bias.users
     assert [a.target for a in add.args if a is not bias] == [fxshard.all_reduce], "bias must be added after the all-reduce"
+
+
+@pytest.mark.parametrize("hidden,tp", [(30, 4), (10, 3), (7, 4)], ids=["30 on 4", "10 on 3", "7 on 4"])
+def test_hidden_the_axis_does_not_divide_simulated(hidden, tp):
+    """torch.chunk pieces (8, 8, 8, 6 of 30): exact forward, backward and SGD steps; the
+    generated code is the same on every rank (no local size in it)."""
+    sharded = check_simulated(functools.partial(mlp, seed=0, dim=DIM, hidden=hidden), mlp_plan, (X,), {"tp": tp})
+    layout, shape = sharded.meta["fxshard_state"]["fc1.weight"]
+    assert shape == (hidden, DIM) and layout == {"tp": Shard(0)}
+
+
+@pytest.mark.parametrize("out", [Replicate(), Shard(-1)], ids=["all-reduce", "reduce-scatter"])
+def test_uneven_output_gathered_or_scattered_simulated(out):
+    """fc2's output dim (30) cut unevenly: a padded reduce-scatter, gathered back in the test."""
+    check_simulated(functools.partial(mlp, seed=0, dim=30, hidden=HIDDEN), functools.partial(mlp_plan, out=out),
+                    (torch.randn(4, 8, 30, generator=torch.Generator().manual_seed(1)),), {"tp": 4})
+
+
+def test_a_rank_left_without_a_piece_is_a_plan_error():
+    """5 on 4 ranks would be 2, 2, 1, 0: a rank without hidden units (and a -1 in a view could not infer)."""
+    with pytest.raises(fxshard.PlanError, match=r"leaves ranks without a piece \(2, 2, 1, 0\)"):
+        fxshard.transform(mlp(seed=0, dim=DIM, hidden=5), mlp_plan(fxshard.MeshSpec(("tp",), (4,))), (X,))

@@ -60,10 +60,32 @@ def test_reduce_scatter_output_and_no_rank_literal():
     assert "vocab_start" not in sharded.state_dict(), "the offset buffer is not part of the checkpoint"
 
 
-def test_uneven_vocab_is_a_plan_error():
+@pytest.mark.parametrize("tp", [3, 6])
+def test_vocab_the_axis_does_not_divide_simulated(tp):
+    """16 rows on 3 ranks: torch.chunk pieces of 6, 6 and 4 (on 6: 3, 3, 3, 3, 3, 1); every id
+    at every boundary gives the single-device row, and each rank's rows get their gradient."""
     model = Embed()
-    with pytest.raises(fxshard.PlanError, match=r"not divisible by the size 3 of axis 'tp'"):
-        fxshard.transform(model, Plan(MeshSpec(("tp",), (3,)), {"emb": vocab_parallel()}), (torch.zeros(1, 2, dtype=torch.long),))
+    ids = torch.tensor([list(range(V)), list(reversed(range(V)))])
+    ref = model(ids)
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    with simulated({"tp": tp}) as mesh:
+        sharded = fxshard.transform(model, Plan(mesh, {"emb": vocab_parallel()}), (ids,))
+        out = sharded(ids)
+        (out * w).sum().backward()
+        with plain():
+            for r in range(tp):
+                torch.testing.assert_close(rank_value(out, r), ref.detach(), rtol=0, atol=0)
+                torch.testing.assert_close(rank_value(sharded.emb.weight.grad, r), model.emb.weight.grad.chunk(tp)[r])
+    offline = fxshard.transform(model, Plan(MeshSpec(("tp",), (tp,), coordinate=(tp - 1,)), {"emb": vocab_parallel()}), (ids,))
+    step = -(-V // tp)
+    assert offline.emb.vocab_start.tolist() == [(tp - 1) * step]
+    assert offline.emb.vocab_rows.tolist() == [V - (tp - 1) * step]  # the last rank's own row count
+
+
+def test_a_rank_without_rows_is_a_plan_error():
+    with pytest.raises(fxshard.PlanError, match=r"leaves ranks without a piece \(4, 4, 4, 4, 0\)"):
+        fxshard.transform(Embed(), Plan(MeshSpec(("tp",), (5,)), {"emb": vocab_parallel()}), (torch.zeros(1, 2, dtype=torch.long),))
 
 
 def _real(rank, world_size):

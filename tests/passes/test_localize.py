@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+import fxshard
 from fxshard import MeshSpec, Plan, PlanError, colwise
 from fxshard.testing.models import llama, llama_plan, tokens
 
@@ -155,3 +156,34 @@ def test_narrow_bound_read_from_a_sharded_dim_is_rescaled():
 
     check_simulated(_RopeNarrow, plan, (torch.randn(2, 8, 8),), {"tp": 2})
     check_simulated(_RopeNarrow, plan, (torch.randn(2, 8, 8),), {"tp": 4})
+
+
+class FusedUneven(nn.Module):
+    """A fused projection whose parts (30 and 18) the axis does not divide, cut by split or by slices."""
+
+    def __init__(self, cut: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cut = cut
+        self.w12 = nn.Linear(16, 48)
+        self.out = nn.Linear(30, 16)
+        self.gate = nn.Linear(18, 16)
+
+    def forward(self, x):
+        h = self.w12(x)
+        a, b = h.split([30, 18], dim=-1) if self.cut == "split" else (h[..., :30], h[..., 30:])
+        return self.out(torch.relu(a)) + self.gate(torch.tanh(b))
+
+
+@pytest.mark.parametrize("cut", ["split", "slices"])
+def test_uneven_parts_are_sized_at_run_time(cut):
+    """Parts of 30 and 18 on 4 ranks: 8 + 5 rows on ranks 0-2, 6 + 3 on rank 3; the split sizes
+    and slice bounds come from fxshard.local_sizes / local_span, the code is the same on every rank."""
+    from equivalence import check_simulated
+
+    plan = lambda mesh: Plan(mesh, {"w12": colwise(splits=[30, 18]), "out": fxshard.rowwise(), "gate": fxshard.rowwise()})  # noqa: E731
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+    sharded = check_simulated(lambda: FusedUneven(cut), plan, (x,), {"tp": 4})
+    assert ("fxshard_local_sizes([30, 18], 'tp')" if cut == "split" else "fxshard_local_span([30, 18], 'tp', 30, 48)") in sharded.code
+    codes = {fxshard.transform(FusedUneven(cut), plan(MeshSpec(("tp",), (4,), coordinate=(r,))), (x,)).code for r in range(4)}
+    assert len(codes) == 1

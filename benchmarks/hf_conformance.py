@@ -243,6 +243,7 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
         out_layout = output_layout(sharded, lambda o: o.logits)
         state = sharded.meta["fxshard_state"]
         blocks_of = sharded.meta.get("fxshard_blocks", {})
+        heads_of = sharded.meta.get("fxshard_heads", {})  # KV heads shared by several ranks (tp > KV heads)
         grads = {n: p.grad for n, p in sharded.named_parameters(remove_duplicate=False)}
         with torch.no_grad():
             for p in sharded.parameters():
@@ -269,7 +270,8 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
                     elif g is None:
                         d = math.inf if want.any() else 0.0
                     else:
-                        d = _maxdiff(rank_value(g, r), slice_for(want, layout, coord, mesh_shape, blocks_of.get(fqn)))
+                        d = _maxdiff(rank_value(g, r), slice_for(want, layout, coord, mesh_shape, blocks_of.get(fqn),
+                                                                 heads=heads_of.get(fqn)))
                     if worst_grad is None or d > grads_diff:
                         worst_grad, grads_diff = (fqn, r, layout), d
     except FamilyTimeout:

@@ -167,6 +167,11 @@ def _header(node: fx.Node, axes: list[str]) -> list[str]:
     if isinstance(v, TensorInfo):
         lay = " ".join(f"{a}={_layout(node, a)}" for a in axes)
         lines.append(f"  layout:  {lay}  local {fmt_shape(v.local_shape)}  global {fmt_shape(v.shape)}  {dtype_short(v.dtype)}")
+        hr = node.meta[KEY].extra.get("head_replicas") if node.op == "get_attr" else None
+        if hr is not None:
+            ranks = v.shape[0] // v.local_shape[0] // hr.heads
+            lines.append(f"  heads:   {hr.heads}, each held by {ranks} ranks of {hr.axis!r} (colwise(heads={hr.heads})): the "
+                         f"graph's global shape holds a head once per rank, the state {hr.heads * v.local_shape[0]} rows")
     elif isinstance(v, tuple) and _layout(node, axes[0] if axes else "") is not None:
         lines.append("  layout:  " + " ".join(f"{a}={_layout(node, a)}" for a in axes) + "  (tuple)")
     elif isinstance(v, SizeInfo):

@@ -41,7 +41,7 @@ from fxshard.boundary import region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.layout import HeadReplicas
 from fxshard.meta import info
-from fxshard.rules import view_groups
+from fxshard.rules import rule_for, view_groups
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,39 @@ def _follow(rw: _Rewrite, node: fx.Node):
         return _repeated(rw, node, h)
     if op == "call_function" and tgt is F.scaled_dot_product_attention:
         return _attention(rw, node)
+    kind = getattr(rule_for(node)[1], "__name__", "") if op in ("call_function", "call_method") else ""
+    if kind.startswith("pointwise"):  # q/k norms written out (pow, rsqrt, ...), rope tables, masks
+        return _elementwise(rw, node)
+    if kind.startswith("reduction") or kind in ("softmax", "log_softmax"):
+        return _reduced(rw, node, h, keeps=kind in ("softmax", "log_softmax"))
+    if kind == "stack":  # interleaved rope: torch.stack((-x2, x1), -1)
+        return _stacked(rw, node)
     raise rw.fail(node, "is an operation on the KV heads that fxshard cannot follow")
+
+
+def _reduced(rw, node, h: _Heads, keeps: bool):
+    """A reduction (or softmax) over dims other than the heads: each head's values stay its own."""
+    nd = len(_shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or isinstance(dims, fx.Node):
+        raise rw.fail(node, "reduces over every dim, the heads too")
+    dims = {d % nd for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
+    if h.dim in dims or h.group in dims:
+        raise rw.fail(node, "reduces over the heads dim")
+    keep = keeps or (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    shift = 0 if keep else sum(1 for d in dims if d < h.dim)
+    out = replace(h, dim=h.dim - shift, group=None if h.group is None else h.group - (0 if keep else sum(1 for d in dims if d < h.group)))
+    return (out, out) if isinstance(node.meta.get("val"), (tuple, list)) else out
+
+
+def _stacked(rw, node) -> _Heads:
+    parts = node.args[0]
+    hs = {rw.heads.get(p) for p in parts}
+    if len(hs) != 1 or None in hs:
+        raise rw.fail(node, "stacks KV heads with other tensors")
+    (h,) = hs
+    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(_shape(node))
+    return replace(h, dim=h.dim + (d <= h.dim), group=None if h.group is None else h.group + (d <= h.group))
 
 
 _NO_TENSOR = _Heads(-1, 0)  # a size or dtype read: no tensor, nothing to rewrite

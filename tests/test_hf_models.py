@@ -117,8 +117,9 @@ def test_hf_wrong_plan_is_a_plan_error():
         fxshard.transform(model, plan, example_kwargs=BATCH)
     msg = str(err.value)
     assert "model.layers.0.self_attn.q_proj" in msg and "fix:" in msg and "'tp'" in msg
-    bad_width = fxshard.Plan(fxshard.MeshSpec(("tp",), (3,)), {"model.layers.*.mlp.up_proj": fxshard.colwise()})
-    with pytest.raises(fxshard.PlanError, match="multiple of 3"):
+    # 4 heads of 16 on 3 ranks: torch.chunk pieces of 22, 22, 20 features, which the heads view cannot regroup
+    bad_width = fxshard.Plan(fxshard.MeshSpec(("tp",), (3,)), {f"model.layers.*.self_attn.{p}_proj": fxshard.colwise() for p in "qkv"})
+    with pytest.raises(fxshard.PlanError, match=r"unequal pieces \(22, 22, 20\).*\n.*\n.*fix: .*divides 64"):
         fxshard.transform(model, bad_width, example_kwargs=BATCH)
 
 

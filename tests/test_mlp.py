@@ -19,6 +19,7 @@ from harness import plain, rank_map, rank_value, simulated
 
 DIM, HIDDEN = 32, 64
 X = torch.randn(4, 8, DIM, generator=torch.Generator().manual_seed(0))
+X30 = torch.randn(4, 8, 30, generator=torch.Generator().manual_seed(1))
 
 make_mlp = functools.partial(mlp, seed=0, dim=DIM, hidden=HIDDEN)
 
@@ -58,12 +59,16 @@ def test_mlp_dp_tp_simulated():
 
 
 def test_mlp_real():
-    """4 gloo ranks: tp=4 (replicated and feature-sharded output) and dp=2 x tp=2 with
-    the batch sharded on dp (tp=2 groups)."""
+    """4 gloo ranks: tp=4 (replicated and feature-sharded output), dp=2 x tp=2 with
+    the batch sharded on dp (tp=2 groups), and a hidden size 4 does not divide."""
     check_real_cases(4, [
         Case(make_mlp, mlp_plan, (X,), {"tp": 4}, lr=0.2, name="tp=4"),
         Case(make_mlp, functools.partial(mlp_plan, out=Shard(-1)), (X,), {"tp": 4}, lr=0.2, name="tp=4 out S(-1)"),
         Case(make_mlp, functools.partial(mlp_plan, batch_on_dp=True), (X,), {"dp": 2, "tp": 2}, lr=0.2, name="dp=2 x tp=2"),
+        # width and hidden 30 on 4 ranks: torch.chunk pieces 8, 8, 8, 6; the output reduce-scattered
+        # into them and the gradient all-gathered back, padded on the wire
+        Case(functools.partial(mlp, seed=0, dim=30, hidden=30), functools.partial(mlp_plan, out=Shard(-1)), (X30,), {"tp": 4},
+             lr=0.2, name="tp=4 width 30"),
     ])
 
 
@@ -114,8 +119,7 @@ def test_hidden_the_axis_does_not_divide_simulated(hidden, tp):
 @pytest.mark.parametrize("out", [Replicate(), Shard(-1)], ids=["all-reduce", "reduce-scatter"])
 def test_uneven_output_gathered_or_scattered_simulated(out):
     """fc2's output dim (30) cut unevenly: a padded reduce-scatter, gathered back in the test."""
-    check_simulated(functools.partial(mlp, seed=0, dim=30, hidden=HIDDEN), functools.partial(mlp_plan, out=out),
-                    (torch.randn(4, 8, 30, generator=torch.Generator().manual_seed(1)),), {"tp": 4})
+    check_simulated(functools.partial(mlp, seed=0, dim=30, hidden=HIDDEN), functools.partial(mlp_plan, out=out), (X30,), {"tp": 4})
 
 
 def test_a_rank_left_without_a_piece_is_a_plan_error():

@@ -173,7 +173,7 @@ def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules
     """HF's plans cut the K/V projections colwise like the queries; on an axis with more
     ranks than ``config.num_key_value_heads`` their heads cannot be cut, so each rank holds
     the KV head its query heads use: ``colwise(heads=num_key_value_heads)`` on the colwise
-    linears whose width is the KV heads'."""
+    linears of an attention module (its class is a ``...Attention``) whose width is the KV heads'."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     n_kv, n_heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
@@ -185,9 +185,10 @@ def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules
         if not isinstance(spec, ModuleSpec) or spec.style != "colwise" or spec.splits:
             continue
         rx = _pattern_regex(pattern)
-        hits = [m for fqn, m in modules.items() if rx.match(fqn)]
-        if hits and all(isinstance(m, nn.Linear) and m.out_features == n_kv * head_dim for m in hits):
-            out[pattern] = replace(spec, heads=n_kv)
+        hits = [(fqn, m) for fqn, m in modules.items() if rx.match(fqn)]
+        if hits and all(isinstance(m, nn.Linear) and m.out_features == n_kv * head_dim
+                        and "Attention" in type(modules.get(fqn.rpartition(".")[0])).__name__ for fqn, m in hits):
+            out[pattern] = replace(spec, heads=n_kv)  # a K/V projection of an attention module
     return out
 
 

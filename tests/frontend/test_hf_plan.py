@@ -501,3 +501,15 @@ def test_a_packed_gate_up_that_hf_calls_colwise_is_read_packed():
     assert model.tp_plan["model.layers.*.mlp.experts.gate_up_proj"] == "colwise"
     spec = Plan.from_hf(TP2, model).specs[EXPERTS]
     assert spec == routed_experts(tp="tp", tp_dims=HF_DIMS) and "split gate from up" in spec.style
+
+
+def test_kv_heads_shared_when_the_axis_is_larger():
+    """At tp=4 with 2 KV heads, HF's colwise k/v projections become colwise(heads=2); q and an MLP
+    as wide as the KV heads (16 = 2 x 8) keep HF's colwise; at tp=2 nothing changes."""
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**SMALL, "num_attention_heads": 8, "intermediate_size": 16}))
+    specs = plan_from_hf(MeshSpec(("tp",), (4,)), model).specs
+    for name in ("k_proj", "v_proj"):
+        assert specs[f"model.layers.*.self_attn.{name}"] == replace(colwise("tp"), heads=2)
+    assert specs["model.layers.*.self_attn.q_proj"].heads is None
+    assert specs["model.layers.*.mlp.gate_proj"].heads is None
+    assert all(getattr(s, "heads", None) is None for s in plan_from_hf(TP2, model).specs.values())

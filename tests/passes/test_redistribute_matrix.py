@@ -17,7 +17,8 @@ Deliberate differences, checked as such:
   the value locally);
 * a dim that one axis does not divide is cut in ``torch.chunk`` pieces as DTensor
   does (padded on the wire), but a dim sharded over several axes must divide by their
-  product, and an all-to-all of unequal pieces is refused: both PlanErrors;
+  product, an all-to-all of unequal pieces is refused, and so is a cut that leaves a rank
+  without a piece (6 on 4 ranks: 2, 2, 2, 0): PlanErrors;
 * the gradient of a ``Partial("avg")`` input is scaled by ``1/n`` per axis it is reduced over:
   fxshard differentiates each rank's local tensor (the rank's share entered the
   mean with weight ``1/n``, which is what the local op before it needs), while
@@ -42,7 +43,8 @@ from harness import plain, rank_map, rank_value, simulated
 PLACEMENTS = (Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("avg"))
 MESHES = ({"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2})
 EVEN = (8, 4)  # every dim divides every axis and their product
-UNEVEN = (4, 6)  # dim 1 divides 2 but not 4: on tp=4 its pieces are 2, 2, 2, 0
+UNEVEN = (4, 6)  # dim 1 divides 2 but not 4 (on tp=4 its pieces would be 2, 2, 2, 0: refused)
+UNEVEN_4 = (5, 7)  # on tp=4: 2, 2, 2, 1 and 2, 2, 2, 1
 
 
 class Takes(nn.Module):
@@ -83,6 +85,7 @@ def _divides_each(shape, layout, mesh_shape) -> bool:
 
 
 REFUSALS = {"a dim the axes do not divide": "together .* do not divide it", "a change into Partial": "into Partial",
+            "a rank without a piece": "leaves ranks without a piece",
             "an all-to-all of unequal pieces": "all-to-all of unequal pieces"}
 
 
@@ -90,6 +93,11 @@ def _refused(src, dst, shape, mesh_shape) -> str | None:
     """Why fxshard refuses this change (deliberately), or None."""
     if not (_divides(shape, src, mesh_shape) and _divides(shape, dst, mesh_shape)):
         return "a dim the axes do not divide"
+    for layout in (src, dst):
+        for axis, p in layout.items():
+            n = mesh_shape[axis]
+            if isinstance(p, Shard) and shape[p.dim] % n and -(-shape[p.dim] // n) * (n - 1) >= shape[p.dim]:
+                return "a rank without a piece"
     for axis in mesh_shape:
         if src[axis] != dst[axis] and isinstance(dst[axis], Partial):
             return "a change into Partial"
@@ -177,7 +185,7 @@ def _check(mesh_shape: dict, shape: tuple, pairs) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES[:2], ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()))
-@pytest.mark.parametrize("shape", [EVEN, UNEVEN], ids=["even", "uneven"])
+@pytest.mark.parametrize("shape", [EVEN, UNEVEN, UNEVEN_4], ids=["even", "uneven", "uneven both dims"])
 def test_one_axis_matrix(mesh_shape, shape):
     compared, refused = _check(mesh_shape, shape, _cases(mesh_shape, shape))
     assert compared + refused == len(PLACEMENTS) ** 2

@@ -66,6 +66,9 @@ def test_qwen2_two_kv_heads_at_tp4_exact(attn):
     assert rows and all(r.axis_size == 2 and r.phase == "backward" for r in rows)
     assert sum(r.bytes for r in rows) == 2 * 2 * (8 * 64 + 8) * 4  # one head per rank
     assert "replicas = 2" in sharded.code  # fx prints keywords spaced
+    assert "S(0) x2" in fxshard.dump(sharded, "model.layers.0.self_attn.k_proj")
+    assert "each held by 2 ranks of 'tp'" in fxshard.explain(sharded, "model_layers_0_self_attn_k_proj_weight")
+    assert "tp/2" in str(s)  # the comm summary's axis column: a group of 2 ranks of tp
 
 
 def test_qwen2_two_kv_heads_at_tp4_real_gloo():

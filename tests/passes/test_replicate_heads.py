@@ -130,3 +130,34 @@ def test_missing_heads_suggests_them():
     model = models.llama(args=models.LlamaArgs(n_heads=8, n_kv_heads=2))
     with pytest.raises(PlanError, match=r"fxshard.colwise\('tp', heads=2\)"):
         fxshard.transform(model, Plan(MeshSpec(("tp",), (4,)), models.llama_plan()), (models.tokens(2, 8, 128),))
+
+
+class GQA(torch.nn.Module):
+    """Grouped-query attention that lets SDPA pair the heads (enable_gqa=True): no repeat_kv."""
+
+    def __init__(self, dim=32, heads=8, kv_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q_proj = torch.nn.Linear(dim, dim)
+        self.k_proj = torch.nn.Linear(dim, kv_heads * self.hd)
+        self.v_proj = torch.nn.Linear(dim, kv_heads * self.hd)
+        self.o_proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_sdpa_enable_gqa():
+    def plan(mesh):
+        return Plan(mesh, {"q_proj": colwise(), "k_proj": colwise(heads=2), "v_proj": colwise(heads=2),
+                           "o_proj": fxshard.rowwise()})
+
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    sharded = check_simulated(GQA, plan, (x,), {"tp": 4})
+    assert "enable_gqa = True" in sharded.code

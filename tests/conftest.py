@@ -2,6 +2,8 @@
 
 * ``tests/`` is importable (``from harness import ...``, ``from equivalence import
   ...``) from every test directory, also in spawned ranks.
+* The fuzz tests' counts lines (``tests/fuzz/conftest.py``) are printed in the terminal
+  summary, also from pytest-xdist workers (this conftest is the one the controller loads).
 * Fixtures ``after_pass`` / ``before_pass``: the graph right after (or right before)
   one pass of ``fxshard.transform``, running the real pipeline in its real order::
 
@@ -59,3 +61,18 @@ def after_pass():
 def before_pass():
     """``before_pass(name, model, plan, example_inputs)`` -> the GraphModule right before pass ``name``."""
     return lambda name, model, plan, example_inputs: _stop_at(name, model, plan, example_inputs, False)
+
+
+_FUZZ_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _FUZZ_LINES.extend(line for key, line in report.user_properties if key == "fxshard fuzz")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _FUZZ_LINES:
+        terminalreporter.section("fxshard fuzz")
+        for line in _FUZZ_LINES:
+            terminalreporter.write_line(line)

@@ -1,21 +1,16 @@
-"""The fuzz sweep's counts line, printed in the terminal summary (so it shows in CI
-output even with output capture on)."""
+"""The fuzz tests' counts lines: a test appends them to ``fuzz_report``; they travel with the
+test's report (``user_properties``, which pytest-xdist sends from its workers) and
+``tests/conftest.py`` prints them in the terminal summary, so they show in CI output."""
 from __future__ import annotations
 
 import pytest
 
-_REPORT = pytest.StashKey[list]()
+REPORT_KEY = "fxshard fuzz"
 
 
-@pytest.fixture(scope="session")
-def fuzz_report(pytestconfig) -> list:
-    """Lines the fuzz tests want in the terminal summary (appended to by the tests)."""
-    return pytestconfig.stash.setdefault(_REPORT, [])
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = config.stash.get(_REPORT, [])
-    if lines:
-        terminalreporter.section("fxshard fuzz")
-        for line in lines:
-            terminalreporter.write_line(line)
+@pytest.fixture
+def fuzz_report(request) -> list:
+    """Lines the fuzz test wants in the terminal summary (appended to by the test)."""
+    lines: list[str] = []
+    yield lines
+    request.node.user_properties.extend((REPORT_KEY, line) for line in lines)

@@ -224,7 +224,7 @@ def _follow(rw: _Rewrite, node: fx.Node):
     if op == "call_method" and tgt == "expand":
         return _expanded(rw, node, h)
     if op == "call_function" and tgt in (torch.cat, torch.concat):
-        return _concatenated(rw, node)
+        return _joined(rw, node, stack=False)
     if (op == "call_function" and tgt in _ELEMENTWISE_FN) or (op == "call_method" and tgt in _ELEMENTWISE_METHOD):
         return _elementwise(rw, node)
     if op == "call_function" and tgt in (F.rms_norm, F.layer_norm):
@@ -249,7 +249,7 @@ def _follow(rw: _Rewrite, node: fx.Node):
     if kind.startswith("reduction") or kind in ("softmax", "log_softmax"):
         return _reduced(rw, node, h, keeps=kind in ("softmax", "log_softmax"))
     if kind == "stack":  # interleaved rope: torch.stack((-x2, x1), -1)
-        return _stacked(rw, node)
+        return _joined(rw, node, stack=True)
     raise rw.fail(node, "is an operation on the KV heads that fxshard cannot follow")
 
 
@@ -266,16 +266,6 @@ def _reduced(rw, node, h: _Heads, keeps: bool):
     shift = 0 if keep else sum(1 for d in dims if d < h.dim)
     out = replace(h, dim=h.dim - shift, group=None if h.group is None else h.group - (0 if keep else sum(1 for d in dims if d < h.group)))
     return (out, out) if isinstance(node.meta.get("val"), (tuple, list)) else out
-
-
-def _stacked(rw, node) -> _Heads:
-    parts = node.args[0]
-    hs = {rw.heads.get(p) for p in parts}
-    if len(hs) != 1 or None in hs:
-        raise rw.fail(node, "stacks KV heads with other tensors")
-    (h,) = hs
-    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(_shape(node))
-    return replace(h, dim=h.dim + (d <= h.dim), group=None if h.group is None else h.group + (d <= h.group))
 
 
 _NO_TENSOR = _Heads(-1, 0)  # a size or dtype read: no tensor, nothing to rewrite
@@ -411,13 +401,16 @@ def _expanded(rw, node, h: _Heads) -> _Heads:
     return replace(h, dim=d, group=group)
 
 
-def _concatenated(rw, node) -> _Heads:
-    parts = node.args[0]
-    hs = {rw.heads.get(p) for p in parts}
+def _joined(rw, node, stack: bool) -> _Heads:
+    """``cat`` along another dim, or ``stack`` on a new one (interleaved rope), of tensors that
+    all hold the KV heads in the same dim."""
+    hs = {rw.heads.get(p) for p in node.args[0]}
     if len(hs) != 1 or None in hs:
-        raise rw.fail(node, "concatenates KV heads with other tensors")
+        raise rw.fail(node, f"{'stacks' if stack else 'concatenates'} KV heads with other tensors")
     (h,) = hs
     d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(_shape(node))
+    if stack:
+        return replace(h, dim=h.dim + (d <= h.dim), group=None if h.group is None else h.group + (d <= h.group))
     if d in (h.dim, h.group):
         raise rw.fail(node, "concatenates along the heads dim")
     return h

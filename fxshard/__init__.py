@@ -18,7 +18,7 @@ from .mesh import MeshSpec
 from .plan import (ContextParallel, ModuleSpec, Plan, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel,
                    vocab_parallel)
 from .runtime import (all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, local_sizes,
-                      local_span, reduce_scatter, shard)
+                      local_span, reduce_over, reduce_scatter, shard)
 from .trace import trace
 from .auto_plan import auto_plan
 from .transform import transform
@@ -35,11 +35,12 @@ from .state import full_state_dict, load_full_state_dict
 from .materialize import materialize
 from .hf_checkpoint import load_hf_checkpoint
 from .checkpoint import load, save
+from .grad_norm import clip_grad_norm_, grad_norm
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
-    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh",
+    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh", "reduce_over",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",

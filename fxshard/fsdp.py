@@ -27,6 +27,7 @@ from torch.distributed.tensor import Replicate
 
 from . import runtime
 from .errors import PlanError
+from .grad_norm import track_parameters
 
 __all__ = ["fully_shard"]
 
@@ -72,6 +73,7 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
             torch_fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
     if not isinstance(sharded, FSDPModule):
         torch_fully_shard(sharded, mesh=dp_mesh, **fsdp_kwargs)
+    track_parameters(sharded)  # FSDP2 replaced the parameters by DTensors
     return sharded
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "grad_sync_bucket",
     "local_sizes",
     "local_span",
+    "reduce_over",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -555,6 +556,33 @@ def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
     if ax.size == 1 or not xs:
         return tuple(xs)
     return _GradSyncBucket.apply(ax, op, *xs)
+
+
+_VALUE_OPS = ("sum", "avg", "max", "min")
+
+
+def reduce_over(x: torch.Tensor, axes=None, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over the mesh (no autograd): a norm's partial sums, a loss or a
+    metric to log.  ``axes``: the axis names (default every axis of the bound mesh);
+    one all-reduce per axis larger than 1; ``op``: ``"sum"``, ``"avg"``, ``"max"`` or
+    ``"min"``.  Every rank gets the result.
+
+    Example: ``fxshard.reduce_over(loss.detach(), op="avg")   # the mean of every rank's loss``
+    """
+    if op not in _VALUE_OPS:
+        raise ValueError(f"fxshard.reduce_over: op must be one of {_VALUE_OPS}, got {op!r}")
+    names = list(_BINDING["axes"]) if axes is None and "axes" in _BINDING else ([axes] if isinstance(axes, str) else list(axes or ()))
+    if axes is None:
+        bound_mesh()
+    count = 1
+    with torch.no_grad():
+        for name in names:
+            ax = _comm_axis(name, "reduce_over")
+            if ax.size == 1:
+                continue
+            x = _raw_all_reduce(x, ax, "sum" if op == "avg" else op)
+            count *= ax.size
+    return x / count if op == "avg" else x
 
 
 torch.fx.wrap("axis_size")

@@ -140,3 +140,55 @@ def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
             s, n = chunk_range(local.shape[p.dim], local.device_mesh.size(), k)
             runs[p.dim] = take(runs[p.dim], s, n)
     return runs
+
+
+def copies(layout: dict | None, axes: dict, heads: HeadReplicas | None = None, distinct_axes=()) -> int:
+    """How many ranks of the mesh hold the same box as this one: the product of the
+    sizes of the axes the layout does not shard (a replicated norm weight on ``tp=2``:
+    2), the ``size // heads`` ranks that share a replicated KV head, and nothing over
+    ``distinct_axes`` (axes on which each rank holds its own piece although the layout
+    does not say so: FSDP2's dim-0 piece, a module-list expert that lives on one rank).
+    A sum over boxes (a norm, a count) counts each box once by weighting it ``1 / copies``."""
+    n = 1
+    for axis, size in axes.items():
+        p = (layout or {}).get(axis)
+        if axis in distinct_axes:
+            continue
+        if isinstance(p, Shard):
+            if heads is not None and heads.axis == axis and size > heads.heads:
+                n *= size // heads.heads
+            continue
+        n *= size
+    return n
+
+
+def copies_of(gm, fqn: str, local: torch.Tensor, owned_axes: dict | None = None) -> int:
+    """:func:`copies` of ``gm``'s state tensor ``fqn`` (``gm`` from :func:`fxshard.transform`),
+    as this rank holds it: a ``DTensor`` that FSDP2 sharded is distinct over its mesh's
+    sharded dims; ``owned_axes`` (``{fqn prefix: axis}``, from :func:`owned_children`)
+    marks the children of local regions that live on one rank of an axis."""
+    from torch.distributed.tensor import DTensor
+
+    layout, _ = gm.meta["fxshard_state"].get(fqn, (None, None))
+    distinct = set()
+    if isinstance(local, DTensor):
+        names = local.device_mesh.mesh_dim_names or ()
+        distinct |= {name for name, p in zip(names, local.placements) if isinstance(p, Shard)}
+    for prefix, axis in (owned_axes or {}).items():
+        if fqn.startswith(prefix + "."):
+            distinct.add(axis)
+    return copies(layout, gm.meta.get("fxshard_mesh", {}), gm.meta.get("fxshard_heads", {}).get(fqn), distinct)
+
+
+def owned_children(gm) -> dict[str, str]:
+    """``{child fqn: axis}``: the children of ``gm``'s local regions that live on one rank
+    of an axis each (module-list experts under expert parallelism)."""
+    from .meta import KEY, LocalRegion
+
+    out = {}
+    for node in gm.graph.nodes:
+        m = node.meta.get(KEY)
+        region = getattr(m, "declared", None) if m is not None else None
+        if isinstance(region, LocalRegion):
+            out.update({child: axis for child, (axis, _) in region.owners.items()})
+    return out

@@ -39,6 +39,7 @@ from .passes.shard_state import shard_state
 from .passes.cleanup import cleanup
 from .passes.split_blocks import block_of, split_blocks
 from .fsdp import check_fsdp_axis, require_fully_shard
+from .grad_norm import track_parameters
 from .plan import _pattern_regex
 
 
@@ -109,6 +110,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
         if plan.fsdp:
             split_blocks(gm, block_rx)
             require_fully_shard(gm, plan.fsdp)
+        track_parameters(gm)  # fxshard.clip_grad_norm_ on a list of them; torch's own caught
     return gm
 
 

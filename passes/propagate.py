@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard.boundary import region_input, region_output
-from fxshard.errors import PlacementMismatchError, PlanError, node_error
+from fxshard.errors import PlacementMismatchError, PlanError, node_error, swapped_linears
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
@@ -349,11 +349,27 @@ def _enter(node: fx.Node, axes):
                              f"{partial[0]!r} (rowwise(out=Shard(-1)) or ModuleSpec(out_dst={{{partial[0]!r}: Replicate()}}))",
                              PlacementMismatchError)
         if any(expected[a] != src.layout[a] for a in expected):  # axes the plan leaves out keep what arrives
+            _raise_if_swapped(node, b, src, expected, nd, where)
             raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as {fmt_layout(expected)}",
                              f"declare inputs={_suggest(src.layout, expected)} in that preset (the module then redistributes it), "
                              f"or change the producer's output layout", PlacementMismatchError)
     required = b.required if b is not None else None
     _change_layout(node, src, normalize(required, nd, where) if required is not None else {}, axes, where, "plan boundary (input)")
+
+
+def _raise_if_swapped(node, b, src, expected, nd, where):
+    """A row-parallel module expecting its input sharded on the last dim that feeds a
+    column-parallel one: the plan has the two swapped; say so rather than suggest inputs=."""
+    for a, p in expected.items():
+        if p == Shard(nd - 1) and p != src.layout[a] and not isinstance(src.layout[a], Partial):
+            col = swapped_linears(node, a)
+            if col is not None:
+                raise node_error(node, f"{where} arrives as {fmt_layout(src.layout)} but the plan says it arrives as "
+                                       f"{fmt_layout(expected)}: module {b.fqn!r} is row-parallel and the module its output "
+                                       f"feeds, {col!r}, is column-parallel; the two look swapped",
+                                 f"swap them: colwise() on {b.fqn!r} and rowwise() on {col!r} (a column-parallel linear "
+                                 f"takes the replicated input and shards its output, the row-parallel one after it reduces)",
+                                 PlacementMismatchError)
 
 
 def _exit(node: fx.Node, axes):

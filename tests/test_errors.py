@@ -91,6 +91,37 @@ def test_input_that_arrives_in_another_layout_than_declared():
                   cls=PlacementMismatchError)
 
 
+def test_colwise_and_rowwise_swapped_on_an_mlp():
+    """rowwise on the first linear, colwise on the second: the error names the swap and both
+    modules, not inputs= (which would all-gather and keep the wrong plan)."""
+    msg = fails_cleanly(mlp(), Plan(tp(), {"fc1": rowwise(), "fc2": colwise()}), (X,),
+                        "module 'fc1' is row-parallel", "'fc2', is column-parallel", "the two look swapped",
+                        "swap them: colwise() on 'fc1' and rowwise() on 'fc2'", cls=PlacementMismatchError)
+    assert "declare inputs=" not in msg
+
+
+@pytest.mark.parametrize("torch_styles", [False, True], ids=["fxshard", "Plan.from_torch"])
+def test_colwise_and_rowwise_swapped_on_attention(torch_styles):
+    """wq/wk/wv rowwise and wo colwise: the first projection and the output one are named."""
+    if torch_styles:
+        plan = Plan.from_torch(tp(), {**{f"layers.*.attention.{w}": RowwiseParallel() for w in ("wq", "wk", "wv")},
+                                      "layers.*.attention.wo": ColwiseParallel()})
+    else:
+        plan = Plan(tp(), {**{f"layers.*.attention.{w}": rowwise() for w in ("wq", "wk", "wv")},
+                           "layers.*.attention.wo": colwise()})
+    fails_cleanly(llama(n_heads=8, n_kv_heads=4), plan, (IDS,),
+                  "module 'layers.0.attention.wq' is row-parallel", "'layers.0.attention.wo', is column-parallel",
+                  "look swapped", "colwise() on 'layers.0.attention.wq' and rowwise() on 'layers.0.attention.wo'",
+                  cls=PlacementMismatchError)
+
+
+def test_rowwise_alone_on_a_replicated_input_is_no_swap():
+    """No column-parallel module after it: the message stays about the input layout."""
+    msg = fails_cleanly(mlp(), Plan(tp(), {"fc1": rowwise(), "fc2": rowwise()}), (X,),
+                        "input 'input' of module 'fc1'", "inputs={'tp': Replicate()}", cls=PlacementMismatchError)
+    assert "swapped" not in msg
+
+
 def test_nonlinearity_on_a_partial_value():
     """A row-parallel fc1 kept Partial on exit, followed by GELU."""
     fails_cleanly(mlp(), Plan(tp(), {"fc1": rowwise(inputs=Replicate(), out=Partial())}), (X,),

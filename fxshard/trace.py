@@ -177,12 +177,21 @@ def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         # a model on the meta device runs on meta inputs (the shapes are all that is recorded)
         on_meta = any(t.is_meta for t in gm.parameters()) or any(t.is_meta for t in gm.buffers())
-        fakes = [mode.from_tensor(x.to("meta") if on_meta else x) if isinstance(x, torch.Tensor) else x
-                 for x in example_inputs]
+        # a fresh fake per input, never one per storage: the same tensor passed twice (``labels=ids``),
+        # a view of another input or a parameter passed as an input are distinct inputs of the program
+        fakes = [_fresh_fake(mode, x, on_meta) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         try:
             _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         except Exception as e:  # name the node that failed
             raise PlanError(f"running the model on the example inputs failed while recording shapes: {e}") from e
+
+
+def _fresh_fake(mode: FakeTensorMode, x: torch.Tensor, on_meta: bool) -> torch.Tensor:
+    """A fake tensor shaped like ``x`` that shares storage with nothing (``from_tensor``
+    memoizes per tensor and keeps views of one base on one fake storage)."""
+    with mode:
+        fake = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta" if on_meta else x.device)
+    return fake.requires_grad_(x.requires_grad) if x.requires_grad else fake
 
 
 class _ShapeProp(FakeTensorProp):

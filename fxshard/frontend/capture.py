@@ -67,8 +67,11 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     dim but the last of float inputs being dynamic (``Dim.AUTO``: export keeps a dim
     static where the model needs it so).  The model is not modified.
     """
-    kwargs = dict(example_kwargs or {})
-    args = tuple(example_inputs)
+    # each input its own storage: export fakeifies a tensor once, so ``labels=ids`` (or a
+    # view of another input, or a parameter passed as an input) would bind two names to one
+    # placeholder and the program would read the wrong one when called with distinct tensors
+    kwargs = own_storage(dict(example_kwargs or {}))
+    args = own_storage(tuple(example_inputs))
     attempts = [(args, kwargs, dynamic_shapes)]
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
@@ -107,6 +110,27 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     gm.meta["captured_by"] = "torch.export"
     gm.meta["model_class"] = type(model).__name__
     return gm
+
+
+def own_storage(value):
+    """``value`` (a pytree) with every tensor replaced by a copy on storage of its own
+    (same shape, strides, dtype, device and ``requires_grad``; free on the meta device),
+    so no two inputs, and no input and parameter, are one tensor to a tracer.
+
+    Example::
+
+        args, kwargs = own_storage((ids,)), own_storage({"input_ids": ids, "labels": ids})
+        assert kwargs["labels"] is not kwargs["input_ids"]
+    """
+    from torch.utils._pytree import tree_map
+
+    def own(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if t.is_meta else t.detach().clone()
+        return copy.requires_grad_(t.requires_grad) if t.requires_grad and (t.is_floating_point() or t.is_complex()) else copy
+
+    return tree_map(own, value)
 
 
 def _devices_from_inputs(gm: fx.GraphModule, model: nn.Module, args, kwargs) -> None:

@@ -34,7 +34,8 @@ class ModuleSpec:
     Fields:
       params:   ``{relative_param_name: layout}``; parameters not listed are Replicate.
       inputs:   layout each forward argument must have on entry: a bare layout for a
-                single-input module, ``{arg_name: layout}``, or a tuple by position.
+                single-input module, ``{arg_name: layout}``, or a tuple by position;
+                ``{0: layout, "mask": layout}`` mixes positions (int keys) and names.
                 fxshard redistributes whatever arrives into it.
       in_src:   layout the inputs are expected to arrive in (same forms as ``inputs``);
                 checked against propagation, like ``input_layouts`` of torch's styles.
@@ -495,53 +496,24 @@ class Plan:
     def from_torch(cls, mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: str | None = None, inputs=None) -> "Plan":
         """Convert a ``parallelize_module`` plan (style *instances*) into an fxshard Plan.
 
+        Every field of every style is translated or refused with a PlanError that names
+        the entry and the fix (see :mod:`fxshard.frontend.torch_plan` for the table):
         ``ColwiseParallel``/``RowwiseParallel`` keep their ``input_layouts`` and
         ``output_layouts``; ``SequenceParallel`` becomes :func:`sequence_parallel`;
-        ``PrepareModuleInput`` becomes a spec that redistributes its inputs from
-        ``input_layouts`` to ``desired_input_layouts``.
+        ``PrepareModuleInput``/``PrepareModuleOutput``/``PrepareModuleInputOutput``
+        redistribute inputs (by position, by keyword or both) and outputs; torchtitan's
+        ``NoParallel`` replicates.  ``use_local_output`` may take either value.  A
+        subclass is read as its base only if it changes no behaviour; otherwise the
+        error names it and what it overrides or adds.
 
         Example::
 
             Plan.from_torch(mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         """
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+        from .frontend.torch_plan import plan_from_torch
 
-        axes = mesh_shape(mesh)
-        if axis is None:
-            if len(axes) != 1:
-                raise PlanError(f"Plan.from_torch: torch styles act on one mesh axis; pass axis= one of {list(axes)}")
-            axis = next(iter(axes))
-        specs = {}
-        for pattern, style in parallelize_plan.items():
-            if isinstance(style, type):
-                raise PlanError(f"Plan.from_torch entry {pattern!r}: got the class {style.__name__}; write an instance, {style.__name__}()")
-            if isinstance(style, ColwiseParallel):
-                specs[pattern] = colwise(axis, inputs=style.input_layouts[0], out=style.output_layouts[0])
-            elif isinstance(style, RowwiseParallel):
-                specs[pattern] = rowwise(axis, inputs=style.input_layouts[0], out=style.output_layouts[0])
-            elif isinstance(style, SequenceParallel):
-                specs[pattern] = sequence_parallel(axis, dim=style.sequence_sharding[0].dim)
-            elif isinstance(style, PrepareModuleInput):
-                def lay(p):
-                    return None if p is None else {axis: p}
-                if style.with_kwargs:
-                    req = {k: lay(v) for k, v in style.desired_input_kwarg_layouts.items()}
-                    exp = {k: lay(v) for k, v in style.input_kwarg_layouts.items()}
-                    if any(p is not None for p in style.desired_input_layouts or ()):
-                        raise PlanError(f"Plan.from_torch entry {pattern!r}: mixing positional and keyword input layouts is not supported; use keywords only")
-                else:
-                    req = tuple(lay(p) for p in style.desired_input_layouts)
-                    exp = tuple(lay(p) for p in style.input_layouts)
-                specs[pattern] = ModuleSpec(inputs=req, in_src=exp, style="prepare_input")
-            elif isinstance(style, PrepareModuleOutput):
-                specs[pattern] = ModuleSpec(
-                    out_src=tuple({axis: p} for p in style.output_layouts) if len(style.output_layouts) > 1 else {axis: style.output_layouts[0]},
-                    out_dst=tuple({axis: p} for p in style.desired_output_layouts) if len(style.desired_output_layouts) > 1 else {axis: style.desired_output_layouts[0]},
-                    style="prepare_output")
-            else:
-                raise PlanError(f"Plan.from_torch entry {pattern!r}: no conversion for {type(style).__name__}; write an fxshard.ModuleSpec for it")
-        return cls(mesh, specs, inputs=inputs)
+        plan = plan_from_torch(mesh, parallelize_plan, axis=axis, inputs=inputs)
+        return plan if cls is Plan else cls(plan.mesh, plan.specs, inputs=plan.inputs, fsdp=plan.fsdp)
 
     @classmethod
     def from_torchtitan(cls, mesh: Mesh, model, **kw) -> "Plan":

@@ -55,8 +55,8 @@ def _pick(value, name: str, position: int | None, first: bool, axes):
         return None
     if isinstance(value, Placement) or _is_layout(value, axes):
         return value if first else None
-    if isinstance(value, Mapping):
-        return value.get(name)
+    if isinstance(value, Mapping):  # by name; int keys are positions (Plan.from_torch's mixed layouts)
+        return value[name] if name in value else (value.get(position) if position is not None else None)
     if isinstance(value, (tuple, list)):
         return value[position] if position is not None and position < len(value) else None
     return None
@@ -246,7 +246,7 @@ def _check_argument_names(spec, params: list[str], mtype, where: str, axes) -> N
     for field_name in ("inputs", "in_src"):
         v = getattr(spec, field_name)
         if isinstance(v, Mapping) and not _is_layout(v, axes):
-            unknown = [k for k in v if k not in params]
+            unknown = [k for k in v if (k >= len(params) if isinstance(k, int) else k not in params)]
             if unknown:
                 raise PlanError(f"{where}: {field_name} names {unknown}, which are neither arguments of "
                                 f"{mtype.__name__}.forward {params} nor mesh axes {list(axes)}; fix the names "

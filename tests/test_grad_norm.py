@@ -50,7 +50,7 @@ def _qwen2_two_kv_heads():
 
 
 def _one_device(model, batches, norm_type=2.0):
-    """torch's clipping on one device: the norms before clipping, and the final state."""
+    """torch's clipping on one device: the norms before clipping, and the trained model."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     norms = []
@@ -60,7 +60,7 @@ def _one_device(model, batches, norm_type=2.0):
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type))
         opt.step()
-    return torch.stack(norms), model.state_dict()
+    return torch.stack(norms), model
 
 
 def _sharded_run(sharded, ids, labels, norm_type=2.0, clip=None):
@@ -87,18 +87,18 @@ def _two_ranks(rank: int, world_size: int) -> None:
     mesh = make_mesh({"tp": 2})
     for norm_type in (2.0, math.inf):
         model = _llama()
-        want_norms, want_state = _one_device(model, [(ids, labels)], norm_type)
+        want_norms, trained = _one_device(model, [(ids, labels)], norm_type)
         sharded = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model),
                                     example_kwargs={"input_ids": ids, "labels": labels})
         got = _sharded_run(sharded, ids, labels, norm_type)
-        _assert_same(got, want_norms, sharded, want_state, f"llama tp=2 norm_type={norm_type}")
+        _assert_same(got, want_norms, sharded, trained.state_dict(), f"llama tp=2 norm_type={norm_type}")
 
     # a list of the parameters works as the module does
     model = _llama()
-    want_norms, want_state = _one_device(model, [(ids, labels)])
+    want_norms, trained = _one_device(model, [(ids, labels)])
     sharded = fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs={"input_ids": ids, "labels": labels})
     got = _sharded_run(sharded, ids, labels, clip=lambda m, *a: fxshard.clip_grad_norm_(list(m.parameters()), *a))
-    _assert_same(got, want_norms, sharded, want_state, "llama tp=2, parameters as a list")
+    _assert_same(got, want_norms, sharded, trained.state_dict(), "llama tp=2, parameters as a list")
 
     # torch's own clip on the shards is caught
     with pytest.raises(fxshard.PlanError, match="fxshard.clip_grad_norm_"):
@@ -109,10 +109,10 @@ def _two_ranks(rank: int, world_size: int) -> None:
     model = tiny_model("mixtral")
     vocab = model.config.vocab_size
     ids, labels = _batch(vocab, seed=1)
-    want_norms, want_state = _one_device(model, [(ids, labels)])
+    want_norms, trained = _one_device(model, [(ids, labels)])
     sharded = fxshard.transform(model, fxshard.Plan.from_hf(ep, model), example_kwargs={"input_ids": ids, "labels": labels})
     got = _sharded_run(sharded, ids, labels)
-    _assert_same(got, want_norms, sharded, want_state, "mixtral ep=2")
+    _assert_same(got, want_norms, sharded, trained.state_dict(), "mixtral ep=2")
 
 
 def _four_ranks(rank: int, world_size: int) -> None:
@@ -122,24 +122,30 @@ def _four_ranks(rank: int, world_size: int) -> None:
     ids, labels = _batch(129)
     halves = [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
     model = _llama()
-    want_norms, want_state = _one_device(model, halves)
+    want_norms, trained = _one_device(model, halves)
     plan = fxshard.Plan.from_hf(mesh, model).replace(inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
                                                      fsdp="dp")
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
     fxshard.fully_shard(sharded, mesh)
-    got = _sharded_run(sharded, *halves[dp])
-    _assert_same(got, want_norms, sharded, want_state, "llama dp x tp, FSDP2")
+    args, mine = fxshard.shard_inputs(sharded, input_ids=ids, labels=labels)  # this rank's rows, as the plan lays them out
+    assert args == () and torch.equal(mine["input_ids"], halves[dp][0]) and torch.equal(mine["labels"], halves[dp][1])
+    got = _sharded_run(sharded, mine["input_ids"], mine["labels"])
+    # the logged loss: every rank's mean, averaged over the mesh, is one device's loss (equal token counts)
+    logged = fxshard.reduce_over(sharded(**mine).loss.detach(), op="avg")
+    want = sum(trained(input_ids=i, labels=l).loss for i, l in halves) / 2
+    torch.testing.assert_close(logged, want.detach(), **TOL)
+    _assert_same(got, want_norms, sharded, trained.state_dict(), "llama dp x tp, FSDP2")
 
     # Qwen2's 2 KV heads at tp=4: each head held by 2 ranks, counted once
     tp4 = make_mesh({"tp": 4})
     model = _qwen2_two_kv_heads()
     ids, labels = _batch(128, seed=2)
-    want_norms, want_state = _one_device(model, [(ids, labels)])
+    want_norms, trained = _one_device(model, [(ids, labels)])
     plan = fxshard.Plan.from_hf(tp4, model)
     assert plan.specs["model.layers.*.self_attn.k_proj"].heads == 2, plan
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
     got = _sharded_run(sharded, ids, labels)
-    _assert_same(got, want_norms, sharded, want_state, "qwen2 tp=4, 2 KV heads")
+    _assert_same(got, want_norms, sharded, trained.state_dict(), "qwen2 tp=4, 2 KV heads")
 
 
 def test_clip_grad_norm_real_gloo_two_ranks():

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -151,9 +152,13 @@ def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 
 
 def _like_param(value, p: torch.Tensor, view: ShardView):
-    """An optimizer state of the parameter's local shape is sharded as the parameter."""
-    if isinstance(value, torch.Tensor) and value.shape == view.local.shape and value.dim() > 0:
-        return ShardView(value, [[(o, n) for o, n in dim] for dim in _runs_of_view(view)], view.global_size)
+    """An optimizer state of the parameter's local shape is sharded as the parameter.
+    Under FSDP2 the state is a DTensor like the parameter: its local piece is the one the
+    parameter's view describes (written as a DTensor, it would be the tp-local tensor under
+    one key from every tp rank)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if isinstance(local, torch.Tensor) and local.shape == view.local.shape and local.dim() > 0:
+        return ShardView(local, [[(o, n) for o, n in dim] for dim in _runs_of_view(view)], view.global_size)
     return value
 
 
@@ -240,16 +245,22 @@ def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:
 
 
 def _restore_optimizer(optimizer, names, sd) -> None:
-    index = {}
+    index, params = {}, {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             index[names[id(p)]] = len(index)
+            params[names[id(p)]] = p
     state: dict[int, dict] = {}
     for k, v in sd.items():
         if not k.startswith("optim.state."):
             continue
         fqn, _, key = k[len("optim.state."):].rpartition(".")
-        state.setdefault(index[fqn], {})[key] = v.local if isinstance(v, ShardView) else v
+        if isinstance(v, ShardView):
+            p = params[fqn]
+            # under FSDP2 the optimizer steps on DTensors: its state is one too, laid out as the parameter
+            v = DTensor.from_local(v.local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
+                if isinstance(p, DTensor) else v.local
+        state.setdefault(index[fqn], {})[key] = v
     groups = []
     for g, saved in zip(optimizer.param_groups, sd["optim.param_groups"]):
         groups.append({**saved, "params": [index[f] for f in saved["params"]]})

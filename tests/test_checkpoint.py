@@ -7,6 +7,7 @@ round-off across meshes, exactly at the same mesh).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -138,6 +139,31 @@ def _fsdp_round_trip(rank, world_size, root):
     for k, v in fxshard.full_state_dict(other).items():
         assert torch.equal(v, want[k]), k
 
+    # with AdamW: 2 steps, save, 2 more; a fresh model resumed from the save ends bit for bit the same
+    _, mine = fxshard.shard_inputs(sharded, tokens=IDS)
+    dp = mesh.get_local_rank("dp")
+    targets = TGT.chunk(2)[dp]
+
+    def steps(module, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(mine["tokens"]).flatten(0, 1), targets.flatten()).backward()
+            opt.step()
+
+    opt = _opt(sharded)
+    steps(sharded, opt, 2)
+    fxshard.save(sharded, os.path.join(root, "fsdp_adamw"), optimizer=opt)
+    steps(sharded, opt, 2)
+    uninterrupted = fxshard.full_state_dict(sharded)
+    if rank == 0:
+        torch.save(uninterrupted, os.path.join(root, "fsdp_adamw_full.pt"))
+    resumed = fxshard.fully_shard(fxshard.transform(llama(seed=9, args=ARGS), plan, (IDS,)), mesh)
+    opt2 = _opt(resumed)
+    fxshard.load(resumed, os.path.join(root, "fsdp_adamw"), optimizer=opt2)
+    steps(resumed, opt2, 2)
+    for k, v in fxshard.full_state_dict(resumed).items():
+        assert torch.equal(v, uninterrupted[k]), f"FSDP2 AdamW resume: {k}"
+
 
 def test_fsdp_shards_save_and_load(tmp_path):
     spawn(_fsdp_round_trip, 4, str(tmp_path))
@@ -146,6 +172,29 @@ def test_fsdp_shards_save_and_load(tmp_path):
     want = torch.load(tmp_path / "fsdp_full.pt")
     assert all(torch.equal(v, want[k]) for k, v in plain.state_dict().items())
     assert all(torch.equal(v, _model().state_dict()[k]) for k, v in plain.state_dict().items())
+
+    # every optimizer state has its parameter's global shape, written as boxes that cover it once
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(tmp_path / "fsdp_adamw")).read_metadata().state_dict_metadata
+    for key, m in md.items():
+        if key.startswith("optim.state.") and key.endswith((".exp_avg", ".exp_avg_sq")):
+            fqn = key[len("optim.state."):].rsplit(".", 1)[0]
+            assert tuple(m.size) == tuple(md[f"model.{fqn}"].size), key
+            assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), f"{key}: boxes {m.chunks}"
+
+    # the dp x tp FSDP2 save resumes on one device: the mean over the two halves of the batch
+    model = _model()
+    opt = _opt(model)
+    fxshard.load(model, tmp_path / "fsdp_adamw", optimizer=opt)
+    for _ in range(2):
+        opt.zero_grad()
+        halves = zip(IDS.chunk(2), TGT.chunk(2))
+        (sum(torch.nn.functional.cross_entropy(model(i).flatten(0, 1), t.flatten()) for i, t in halves) / 2).backward()
+        opt.step()
+    want = torch.load(tmp_path / "fsdp_adamw_full.pt")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"FSDP2 save -> one device: {k}: {m}")
 
 
 def test_plain_round_trip_and_wrong_model(tmp_path):

@@ -58,6 +58,8 @@ __all__ = [
     "local_sizes",
     "local_span",
     "reduce_over",
+    "hold_param_syncs",
+    "held_back",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -389,15 +391,68 @@ class _AllToAll(torch.autograd.Function):
         return _raw_all_to_all(g, ctx.dst, ctx.src, ctx.ax), None, None, None
 
 
+# --------------------------------------------------------------------------- gradient accumulation
+#
+# Under ``fxshard.no_sync`` the gradient syncs of *parameters* (a replicated weight whose
+# gradient is Partial: sequence-parallel norms, a batch-sharded axis, shared KV heads) hold
+# their rank-local gradient back instead of all-reducing it; the first sync outside adds
+# what was held back and reduces the sum once (a sum of all-reduces is the all-reduce of
+# the sum).  Syncs of activations (Megatron's f before a column-parallel linear) are
+# needed by the rest of every backward and always run.  Held back per parameter, apart
+# from ``.grad``: the parameter may also have uses whose gradient is already complete.
+_HELD: dict[tuple[int, str], tuple[Any, torch.Tensor]] = {}  # (id(param), axis group) -> (weakref, held-back sum)
+
+
+def _leaf_params(xs) -> tuple:
+    return tuple(x if isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad) else None for x in xs)
+
+
+def hold_param_syncs(enabled: bool) -> bool:
+    """Hold the gradient syncs of parameters back (``fxshard.no_sync``); returns the
+    previous setting."""
+    previous = bool(_BINDING.get("hold_param_syncs", False))
+    _BINDING["hold_param_syncs"] = enabled
+    return previous
+
+
+def held_back() -> int:
+    """How many parameters' gradients are held back, waiting for a sync."""
+    return sum(1 for ref, _ in _HELD.values() if ref() is not None)
+
+
+def _hold_or_add(params: tuple, gs: tuple, ax: _Axis):
+    """``None`` if every gradient of ``gs`` belongs to a parameter and syncs are held back
+    (each is added to what is held); else ``gs`` with what was held back added."""
+    import weakref
+
+    if params and all(p is not None for p in params) and _BINDING.get("hold_param_syncs"):
+        for p, g in zip(params, gs):
+            key = (id(p), ax.group_name)
+            ref, held = _HELD.get(key, (None, None))
+            if ref is None or ref() is not p:
+                _HELD[key] = (weakref.ref(p), g.detach().clone())
+            else:
+                held.add_(g.detach())
+        return None
+    out = []
+    for p, g in zip(params or (None,) * len(gs), gs):
+        entry = _HELD.pop((id(p), ax.group_name), None) if p is not None else None
+        out.append(g + entry[1] if entry is not None and entry[0]() is p else g)
+    return tuple(out)
+
+
 class _GradSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, op):
-        ctx.ax, ctx.op = ax, op
+        ctx.ax, ctx.op, ctx.params = ax, op, _leaf_params((x,))
         return x
 
     @staticmethod
     def backward(ctx, g):
-        g = _raw_all_reduce(g, ctx.ax)
+        gs = _hold_or_add(ctx.params, (g,), ctx.ax)
+        if gs is None:
+            return None, None, None
+        g = _raw_all_reduce(gs[0], ctx.ax)
         return (g / ctx.ax.size if ctx.op == "avg" else g), None, None
 
 
@@ -408,11 +463,14 @@ class _GradSyncBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ax, op, *xs):
-        ctx.ax, ctx.op = ax, op
+        ctx.ax, ctx.op, ctx.params = ax, op, _leaf_params(xs)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *gs):
+        gs = _hold_or_add(ctx.params, gs, ctx.ax)
+        if gs is None:
+            return (None, None) + (None,) * len(ctx.params)
         # mixed precision (FSDP2's param_dtype) may hand gradients of several dtypes:
         # reduce in the widest one, return each in its own
         dtype = gs[0].dtype

@@ -173,23 +173,81 @@ def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules
     """HF's plans cut the K/V projections colwise like the queries; on an axis with more
     ranks than ``config.num_key_value_heads`` their heads cannot be cut, so each rank holds
     the KV head its query heads use: ``colwise(heads=num_key_value_heads)`` on the colwise
-    linears of an attention module (its class is a ``...Attention``) whose width is the KV heads'."""
+    linears of an attention module (its class is a ``...Attention``) whose width is the KV heads'.
+
+    On a config whose attributes vary per layer (``per_layer_config``: Gemma 4's global
+    layers with fewer KV heads, Dots-3's sliding layers) each projection reads its own
+    layer's values; where layers differ the pattern is split into one entry per module."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
-    n_kv, n_heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
-    if not isinstance(n_kv, int) or not isinstance(n_heads, int) or not 0 < n_kv < n_heads or size <= n_kv:
+    if config is None:
         return specs
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // n_heads
+    layer_of = _layer_indexer(config, modules)
     out = dict(specs)
     for pattern, spec in specs.items():
         if not isinstance(spec, ModuleSpec) or spec.style != "colwise" or spec.splits:
             continue
         rx = _pattern_regex(pattern)
         hits = [(fqn, m) for fqn, m in modules.items() if rx.match(fqn)]
-        if hits and all(isinstance(m, nn.Linear) and m.out_features == n_kv * head_dim
-                        and "Attention" in type(modules.get(fqn.rpartition(".")[0])).__name__ for fqn, m in hits):
-            out[pattern] = replace(spec, heads=n_kv)  # a K/V projection of an attention module
+        if not hits:
+            continue
+        heads = {fqn: _kv_heads(config, layer_of(fqn), fqn, m, modules, size, pattern) for fqn, m in hits}
+        if all(h is None for h in heads.values()):
+            continue
+        if len(set(heads.values())) == 1:
+            out[pattern] = replace(spec, heads=heads[hits[0][0]])  # a K/V projection of an attention module
+            continue
+        del out[pattern]  # layers differ: one entry per module, each with its layer's heads
+        for fqn, h in heads.items():
+            out[fqn] = spec if h is None else replace(spec, heads=h)
     return out
+
+
+def _kv_heads(config, layer: int | None, fqn: str, module: nn.Module, modules: dict, size: int, pattern: str) -> int | None:
+    """``heads=`` for the colwise linear ``fqn`` (None: its heads can be cut, or it is no
+    K/V projection of an attention module)."""
+    if not isinstance(module, nn.Linear) or "Attention" not in type(modules.get(fqn.rpartition(".")[0])).__name__:
+        return None
+    value = lambda name: _config_value(config, name, layer, fqn, pattern)
+    n_kv, n_heads = value("num_key_value_heads"), value("num_attention_heads")
+    if not isinstance(n_kv, int) or not isinstance(n_heads, int) or not 0 < n_kv < n_heads or size <= n_kv:
+        return None
+    head_dim = value("head_dim") or (value("hidden_size") or 0) // n_heads
+    return n_kv if module.out_features == n_kv * head_dim else None
+
+
+def _layer_indexer(config, modules: dict):
+    """``fqn -> index of its decoder layer`` (None outside one): the layers are the items
+    of the module lists with ``config.num_hidden_layers`` items."""
+    n_layers = _config_value(config, "num_hidden_layers", None, "", "")
+    lists = [name for name, m in modules.items() if isinstance(m, nn.ModuleList) and isinstance(n_layers, int) and len(m) == n_layers]
+
+    def layer_of(fqn: str) -> int | None:
+        for name in lists:
+            prefix = f"{name}." if name else ""
+            head = fqn[len(prefix):].split(".", 1)[0] if fqn.startswith(prefix) else ""
+            if head.isdigit():
+                return int(head)
+        return None
+
+    return layer_of
+
+
+def _config_value(config, name: str, layer: int | None, fqn: str, pattern: str):
+    """``config.<name>``, read from the layer's own config (``config.per_layer_config[layer]``)
+    on a config whose attributes vary per layer; None when the config lacks it."""
+    if layer is not None and getattr(config, "is_heterogeneous", False):
+        return getattr(config.per_layer_config[layer], name, None)
+    try:
+        return getattr(config, name, None)
+    except RuntimeError as e:  # transformers' AmbiguousGlobalPerLayerAttributeError: no layer to read it from
+        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        raise PlanError(f"Plan.from_hf: config.{name} varies per layer (config.per_layer_config) and module {fqn!r} "
+                        f"(plan entry {pattern!r}) is not inside a decoder layer fxshard can find (an item of a module "
+                        f"list of config.num_hidden_layers items), so there is no layer to read it from; write that "
+                        f"entry yourself, e.g. plan.replace(specs={{**plan.specs, {fqn!r}: fxshard.colwise(heads=...)}}) "
+                        f"with the heads of that module's layer") from None
 
 
 def hf_ep_plan(model: nn.Module) -> dict[str, Any]:

@@ -513,3 +513,79 @@ def test_kv_heads_shared_when_the_axis_is_larger():
     assert specs["model.layers.*.self_attn.q_proj"].heads is None
     assert specs["model.layers.*.mlp.gate_proj"].heads is None
     assert all(getattr(s, "heads", None) is None for s in plan_from_hf(TP2, model).specs.values())
+
+
+def per_layer_gemma4(seed: int = 0, heads: int = 4, kv_heads: int = 2, layer1_kv_heads: int = 1, head_dim: int = 16):
+    """Tiny Gemma 4 whose global-attention layer (1) has fewer KV heads than the sliding
+    one (0): ``num_key_value_heads`` is a per-layer attribute (transformers' heterogeneous configs)."""
+    from fxshard.testing.hf_tiny import config_class, tiny_kwargs
+
+    cls = config_class("gemma4_text")
+    kw = {**tiny_kwargs(cls, "gemma4_text"), "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+          "head_dim": head_dim, "per_layer_config": {1: {"num_key_value_heads": layer1_kv_heads}}}
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32).train()
+
+
+def per_layer_gemma4_cut():
+    """8 heads of 8; 4 KV heads on layer 0, 2 on layer 1: tp=2 cuts both."""
+    return per_layer_gemma4(heads=8, kv_heads=4, layer1_kv_heads=2, head_dim=8)
+
+
+def per_layer_gemma4_plan(mesh):
+    return Plan.from_hf(mesh, per_layer_gemma4_cut())
+
+
+def _logits(out):
+    return out.logits
+
+
+def _loss(out):
+    return out.loss
+
+
+def test_per_layer_config_model_on_gloo():
+    """tp=2, real gloo: the plan Plan.from_hf reads from a config with per-layer KV heads
+    is exact (logits, loss, every gradient, and logits after an SGD step; labels distinct
+    with -100 padding).
+    Tolerance 5e-5 after the step: step 0 holds at 1e-5, then Gemma's softcapped logits
+    drift by float reordering."""
+    from equivalence import Case, check_real_cases
+    from fxshard.testing.hf_tiny import tiny_inputs
+
+    ids, labels = tiny_inputs(2, 8, 128, seed=0)
+    check_real_cases(2, [Case(per_layer_gemma4_cut, per_layer_gemma4_plan, (), {"tp": 2}, kwargs={"input_ids": ids, "labels": labels},
+                              select=_logits, loss_fn=_loss, replicated_loss=True, atol=5e-5, rtol=1e-4, steps=1,
+                              name="gemma4 per-layer kv heads")])
+
+
+def test_per_layer_kv_heads_read_from_each_layer():
+    """Reading config.num_key_value_heads on such a config raises transformers'
+    AmbiguousGlobalPerLayerAttributeError; the importer reads each layer's own value and
+    splits the k/v patterns by layer: layer 1's single KV head is shared (heads=1) at tp=2,
+    layer 0's two are cut."""
+    model = per_layer_gemma4()
+    config = model.config
+    assert config.is_heterogeneous and [config.per_layer_config[i].num_key_value_heads for i in (0, 1)] == [2, 1]
+    specs = Plan.from_hf(TP2, model).specs
+    for name in ("k_proj", "v_proj"):
+        assert f"model.layers.*.self_attn.{name}" not in specs
+        assert specs[f"model.layers.0.self_attn.{name}"].heads is None
+        assert specs[f"model.layers.1.self_attn.{name}"] == replace(specs[f"model.layers.0.self_attn.{name}"], heads=1)
+    assert specs["model.layers.*.self_attn.q_proj"].heads is None
+    # at tp=4 both layers share their KV heads, each with its own count
+    specs4 = Plan.from_hf(MeshSpec(("tp",), (4,)), model).specs
+    assert specs4["model.layers.0.self_attn.k_proj"].heads == 2 and specs4["model.layers.1.self_attn.k_proj"].heads == 1
+
+
+def test_per_layer_attribute_outside_a_layer_is_a_plan_error():
+    """A KV projection fxshard cannot place in a decoder layer has no layer to read from."""
+    model = per_layer_gemma4()
+    attention = type(model.model.layers[1].self_attn)
+    stray = attention.__new__(attention)  # an attention module outside the layer list
+    nn.Module.__init__(stray)
+    stray.k_proj = nn.Linear(64, 16, bias=False)
+    model.model.extra = nn.ModuleDict({"self_attn": stray})
+    model.tp_plan["model.extra.self_attn.k_proj"] = "colwise"
+    with pytest.raises(PlanError, match=r"config.num_key_value_heads varies per layer.*'model.extra.self_attn.k_proj'.*heads="):
+        Plan.from_hf(TP2, model)

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import runtime
 from .errors import PlanError
-from .module_state import named_state
+from .module_state import attribute_tensors, named_state
 from .shards import assemble, runs_of
 
 AUTO = "auto"
@@ -69,6 +69,7 @@ def materialize(sharded: fx.GraphModule, model: nn.Module, *, device: str | torc
         raise PlanError("materialize runs on real ranks (or an offline MeshSpec), not under LocalTensorMode")
     device = torch.device(device)
     mesh = runtime.bound_mesh()
+    unvalued = {fqn for fqn, t, _ in named_state(sharded) if t.is_meta}
     _allocate(sharded, device)
     replay = _InitReplay(sharded, model, mesh, device, int(cache_mb * 2**20))
     if init is not None:
@@ -78,6 +79,14 @@ def materialize(sharded: fx.GraphModule, model: nn.Module, *, device: str | torc
     left = replay.unwritten(persistent=None if init is not None else False)
     replay.run(_fallback_init({fqn.rpartition(".")[0] for fqn in left}), set(left))
     replay.check(replay.unwritten(persistent=None if init is not None else False))
+    # a meta tensor of the program that is no tensor of the model (a constant torch.export
+    # lifted, a tensor torch.fx folded): nothing could compute it
+    orphans = sorted(unvalued - replay.targeted())
+    if orphans:
+        raise PlanError(f"materialize: {orphans[:8]} are tensors of the program that the model does not hold (constants "
+                        f"computed while capturing, on the meta device), so no init can compute them\n  fix: make them "
+                        f"buffers or attributes of the model (self.mask = ... in __init__), or transform a model built "
+                        f"on a real device")
     return sharded
 
 
@@ -211,6 +220,19 @@ class _InitReplay:
                 shadow = _Shadow(self, self.targets[id(t)], t)
                 self.shadows[id(t)] = nn.Parameter(shadow, requires_grad=t.requires_grad) if is_param else shadow
         self._install(self.model, {id(t): self.shadows[id(t)] for _, t, _ in named_state(self.model)})
+        # plain tensor attributes (``self.mask = ...``, a table ``setup_caches()`` assigns): the
+        # program holds them as non-persistent buffers under the same FQNs; those on the meta
+        # device are computed like any non-persistent buffer (the init writes or assigns them)
+        for fqn, t in attribute_tensors(self.model):
+            if fqn not in self.local or not t.is_meta:
+                continue  # a real one was moved to the device with its value by _allocate
+            owner, _, leaf = fqn.rpartition(".")
+            if id(t) in self.targets:
+                self.targets[id(t)].fqns.append(fqn)
+            else:
+                self.targets[id(t)] = _Target([fqn], t, False)
+                self.shadows[id(t)] = _Shadow(self, self.targets[id(t)], t)
+            setattr(self.model.get_submodule(owner), leaf, self.shadows[id(t)])
 
     @staticmethod
     def _install(model, by_id):
@@ -268,9 +290,17 @@ class _InitReplay:
         for t in list(self.live.values()):
             self._flush(t)
         # tensors the init assigned instead of writing (``self.freqs_cis = ...``)
-        for fqn, v, _ in named_state(self.model):
-            if fqn not in self.written and not isinstance(v, _Shadow) and fqn in self.local:
-                self._flush(next(t for t in self.targets.values() if fqn in t.fqns), v.detach())
+        assigned = [(fqn, v) for fqn, v, _ in named_state(self.model)] + attribute_tensors(self.model)
+        for fqn, v in assigned:
+            if fqn in self.written or isinstance(v, _Shadow) or fqn not in self.local:
+                continue
+            target = next((t for t in self.targets.values() if fqn in t.fqns), None)
+            if target is not None:  # (a real attribute tensor was moved by _allocate, value and all)
+                self._flush(target, v.detach())
+
+    def targeted(self) -> set[str]:
+        """FQNs of the model's tensors (all their names)."""
+        return {fqn for t in self.targets.values() for fqn in t.fqns}
 
     def unwritten(self, persistent: bool | None) -> list[str]:
         """FQNs of this rank's tensors nothing has written yet (``persistent``: only those

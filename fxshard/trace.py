@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .boundary import mark_arguments, mark_outputs, region_input, region_output
 from .errors import PlanError
+from .module_state import attributes_as_buffers, register_attribute_buffers
 
 
 class ShardTracer(fx.Tracer):
@@ -86,6 +87,10 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     when symbolic tracing fails or keyword inputs are given.  ``example_inputs`` /
     ``example_kwargs`` are the single-device (global) inputs; when given, every node's
     ``meta["val"]`` holds a fake tensor with its global shape.  The model is not modified.
+    Plain tensor attributes the graph reads (``self.mask = torch.tril(...)``, constants
+    export lifts) become non-persistent buffers under the model's FQNs
+    (:func:`fxshard.module_state.register_attribute_buffers`): ``state_dict`` keys stay
+    the model's, and ``.to(device)``, ``materialize`` and the plan's layouts reach them.
     """
     if capture not in CAPTURES:
         raise PlanError(f"trace: capture={capture!r}; use one of {CAPTURES}")
@@ -100,6 +105,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
                                 f"use capture='export' (torch.export) instead") from e
             gm = None
         if gm is not None:
+            register_attribute_buffers(gm, model)
             if example_inputs or example_kwargs:
                 from .frontend.capture import flat_inputs
 
@@ -110,6 +116,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
 
     gm = export_capture(model, plan, example_inputs, example_kwargs, dynamic_shapes)
     keep_non_persistent(model, gm)
+    register_attribute_buffers(gm, model)
     if example_inputs or example_kwargs:
         record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
     _record_model(gm, model)
@@ -133,12 +140,38 @@ def _module_dicts(model: nn.Module) -> list[str]:
 
 def _fx_trace(model: nn.Module, plan) -> fx.GraphModule:
     tracer = ShardTracer(plan)
-    graph = tracer.trace(model)
-    name = model.__class__.__name__ if isinstance(model, nn.Module) else model.__name__
-    gm = fx.GraphModule(tracer.root, graph, name)
-    keep_non_persistent(tracer.root, gm)
+    if not isinstance(model, nn.Module):
+        graph = tracer.trace(model)
+        return fx.GraphModule(tracer.root, graph, model.__name__)
+    # plain tensor attributes read by name, as buffers are (not folded into constants); the
+    # model left as it was (a cache filled on the first call would keep a Proxy, the tracer
+    # adds its constants as ``_tensor_constantN``)
+    with _attributes_restored(model), attributes_as_buffers(model):
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        keep_non_persistent(tracer.root, gm)
     gm.meta["captured_by"] = "torch.fx"
     return gm
+
+
+@contextlib.contextmanager
+def _attributes_restored(model: nn.Module):
+    """Every module of ``model`` gets back the plain attributes it had before the block
+    (what the block assigned is undone, what it added is removed)."""
+    before = [(mod, dict(vars(mod))) for mod in model.modules()]
+    try:
+        yield
+    finally:
+        for mod, attrs in before:
+            now = vars(mod)
+            for key in [k for k in now if k not in attrs]:
+                del now[key]
+            for key, value in attrs.items():
+                if now.get(key, _MISSING) is not value:
+                    now[key] = value
+
+
+_MISSING = object()
 
 
 def keep_codegen(src: fx.GraphModule, dst: fx.GraphModule) -> None:

@@ -16,7 +16,7 @@ from .errors import PlanError
 from .meta import KEY
 from .plan import Plan
 from .frontend.capture import flat_inputs
-from .module_state import add_missing_state, named_state
+from .module_state import add_missing_state, graph_attribute_tensors, named_state
 from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from .passes.outline_regions import outline_regions
 from .passes.normalize import normalize
@@ -152,14 +152,47 @@ def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shap
         elif any("val" not in n.meta for n in gm.graph.nodes if _makes_tensor(n)):
             raise PlanError("this GraphModule has no recorded shapes: pass example_inputs= (the single-device inputs) "
                             "to fxshard.transform, or trace it with fxshard.trace(model, plan, example_inputs)")
-        return gm
+        return _guard_meta_calls(gm)
     if isinstance(obj, nn.Module):
         if example_inputs is None and not example_kwargs:
             raise PlanError("transforming an nn.Module needs example_inputs= or example_kwargs= (the single-device inputs)")
         # capture reads the model and never writes it; the copy is of the captured graph
         captured = trace(obj, plan, example_inputs or (), example_kwargs, capture=capture, dynamic_shapes=dynamic_shapes)
-        return _copy_graph_module(captured)
+        return _guard_meta_calls(_copy_graph_module(captured))
     raise PlanError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
+
+
+def _guard_meta_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """A program transformed on the meta device holds no values until
+    ``fxshard.materialize``: give it a pre-hook that says so when it is called on real
+    inputs (torch would fail deep inside with "Tensor on device meta is not on the
+    expected device").  The hook removes itself on the first call that finds every
+    tensor real: no cost on the hot path."""
+    if any(t.is_meta for _, t, _ in named_state(gm)):
+        gm.register_forward_pre_hook(_MetaGuard(), with_kwargs=True)
+    return gm
+
+
+class _MetaGuard:
+    """The pre-hook of :func:`_guard_meta_calls` (a class: a deep copy of the program
+    copies it, and it finds itself in the copy's hooks to remove itself)."""
+
+    def __call__(self, module, args, kwargs):
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        meta = next((fqn for fqn, t, _ in named_state(module) if t.is_meta), None)
+        if meta is None:
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if hook is self:
+                    del module._forward_pre_hooks[key]
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
+            return None
+        if any(isinstance(x, torch.Tensor) and not x.is_meta for x in tree_leaves((args, kwargs))):
+            raise PlanError(f"this program was transformed on the meta device and holds no values yet ({meta} is a meta "
+                            f"tensor), but it was called on real inputs\n  fix: call fxshard.materialize(sharded, model, "
+                            f"device=...) first (then fxshard.load_hf_checkpoint / fxshard.load for trained weights)")
+        return None
 
 
 _NON_TENSOR_ATTRS = frozenset({"device", "dtype", "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized"})
@@ -187,7 +220,8 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     input's storage (a 70B model is never held twice): ``shard_state`` later gives
     every tensor storage of its own, the rank's shard only.  Node metadata is copied
     shallowly except fxshard's own, which every transform derives afresh."""
-    memo: dict = _aliases(gm)  # one memo: tied parameters stay tied in the copy
+    attributes = graph_attribute_tensors(gm)  # plain tensors the graph reads: buffers in the copy
+    memo: dict = _aliases(gm, [t for _, t in attributes])  # one memo: tied parameters stay tied in the copy
     holder = nn.Module()
     for name, m in gm.named_children():
         holder.add_module(name, copy.deepcopy(m, memo))
@@ -195,6 +229,13 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         holder.register_parameter(name, copy.deepcopy(p, memo))
     for name, b in gm.named_buffers(recurse=False):
         holder.register_buffer(name, copy.deepcopy(b, memo))
+    for fqn, t in attributes:
+        add_missing_state(holder, [(fqn, memo[id(t)], False)])
+    keep_non_persistent(gm, holder)
+    for fqn, _ in attributes:  # not in the model's state_dict: non-persistent
+        owner = holder.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else holder
+        vars(owner).pop(fqn.rpartition(".")[2], None)
+        owner._non_persistent_buffers_set.add(fqn.rpartition(".")[2])
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
@@ -202,16 +243,19 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         n.meta.pop(KEY, None)
     new = fx.GraphModule(holder, graph, gm.meta.get("model_class", gm.__class__.__name__))
     _keep_unreferenced_state(gm, new, memo)
-    keep_non_persistent(gm, new)
+    keep_non_persistent(holder, new)
     keep_codegen(gm, new)
     new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
     return new
 
 
-def _aliases(module: nn.Module) -> dict:
-    """``deepcopy`` memo mapping each parameter and buffer to a new tensor object on the
-    same storage: the copy's passes may replace attributes, never write the data."""
+def _aliases(module: nn.Module, attributes: Sequence = ()) -> dict:
+    """``deepcopy`` memo mapping each parameter and buffer (and each plain tensor
+    attribute in ``attributes``) to a new tensor object on the same storage: the copy's
+    passes may replace attributes, never write the data."""
     memo: dict = {}
+    for t in attributes:
+        memo.setdefault(id(t), t.detach())
     for _, t, is_param in named_state(module):
         if id(t) not in memo:
             alias = t.detach()

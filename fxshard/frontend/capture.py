@@ -81,21 +81,28 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
         # given only if the model cannot run on the grown ones.
         grown = (_grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()})
         attempts = [(*grown, dynamic_shapes), (args, kwargs, dynamic_shapes)]
-    with _boundary_hooks(model, plan), opaque_local_regions(model, plan) as region_calls, _training_config(model), \
-            causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False):
-        for i, (a, kw, dyn) in enumerate(attempts):
+    try:
+        ep, region_calls = _export(model, plan, kwargs, attempts)
+    except PlanError:
+        raise
+    except Exception as first:
+        # a model that fills a cache on its first call (``if self.cache is None: self.cache = ...``)
+        # builds it from fake tensors while exporting; once filled by a real call it is a constant
+        warmed = _warm_up(model, args, kwargs)
+        error = first
+        if warmed is True:
             try:
-                ep = torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn)
-                break
+                ep, region_calls = _export(model, plan, kwargs, attempts)
+                error = None
             except PlanError:
                 raise
-            except Exception as e:
-                if i + 1 < len(attempts):
-                    continue
-                hint = causal_mask_hint(model, plan)
-                raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(e).__name__}: "
-                                f"{_first_line(e)}{hint}\n  fix: make the model exportable (torch.export.export(model, args, kwargs, "
-                                f"strict=False) must succeed), or pass a torch.fx-traceable model") from e
+            except Exception as again:
+                error = again
+        if error is not None:
+            hint = causal_mask_hint(model, plan) + _cache_hint(model, warmed)
+            raise PlanError(f"capturing {type(model).__name__} with torch.export (non-strict) failed: {type(error).__name__}: "
+                            f"{_first_line(error)}{hint}\n  fix: make the model exportable (torch.export.export(model, args, "
+                            f"kwargs, strict=False) must succeed), or pass a torch.fx-traceable model") from error
     gm = ep.module()
     restore_local_region_calls(gm, model, region_calls)
     _every_fqn(gm, model)
@@ -110,6 +117,57 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     gm.meta["captured_by"] = "torch.export"
     gm.meta["model_class"] = type(model).__name__
     return gm
+
+
+def _export(model, plan, kwargs, attempts):
+    """``torch.export.export`` (non-strict) of ``model`` with the planned boundaries
+    marked, on each ``(args, kwargs, dynamic_shapes)`` of ``attempts`` until one works;
+    returns the program and the opaque local regions' calls, or raises the last error."""
+    with _boundary_hooks(model, plan), opaque_local_regions(model, plan) as region_calls, _training_config(model), \
+            causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False):
+        for i, (a, kw, dyn) in enumerate(attempts):
+            try:
+                return torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn), region_calls
+            except PlanError:
+                raise
+            except Exception:
+                if i + 1 == len(attempts):
+                    raise
+
+
+_CACHE_SETUPS = ("setup_caches", "setup_cache", "init_caches", "init_cache", "build_caches", "setup_kv_cache")
+
+
+def _warm_up(model: nn.Module, args, kwargs):
+    """Run ``model`` once eagerly on the example inputs, without gradients, as its first
+    call would: a cache it fills then (a rotary table, a mask) is a real tensor when the
+    model is exported again.  Returns True when the call changed an attribute of some
+    module (so another export may succeed), False when it changed none, or the
+    exception the call raised."""
+    before = [(mod, dict(vars(mod))) for mod in model.modules()]
+    try:
+        with torch.no_grad(), _training_config(model):
+            model(*args, **kwargs)
+    except Exception as e:
+        return e
+    return any(vars(mod).get(k, _MISSING) is not v or len(vars(mod)) != len(attrs)
+               for mod, attrs in before for k, v in attrs.items())
+
+
+_MISSING = object()
+
+
+def _cache_hint(model: nn.Module, warmed) -> str:
+    """What to call when a warm-up could not help: a cache set-up method of the model."""
+    setups = [f"model.{fqn + '.' if fqn else ''}{name}(...)" for fqn, mod in model.named_modules() for name in _CACHE_SETUPS
+              if callable(getattr(mod, name, None))]
+    tried = ("" if warmed is False else
+             f"\n  (running the model once on the example inputs, to fill caches it builds on its first call, "
+             f"{'did not help' if warmed is True else f'failed too: {type(warmed).__name__}: {_first_line(warmed)}'})")
+    if setups:
+        tried += (f"\n  the model sets up caches with {', '.join(sorted(set(setups))[:3])}: call it before fxshard.trace / "
+                  f"fxshard.transform, so the caches are tensors of the model when it is captured")
+    return tried
 
 
 def own_storage(value):
@@ -224,16 +282,24 @@ def _default_dynamic_shapes(model, args, kwargs):
 @contextlib.contextmanager
 def _training_config(model):
     """HF models build a KV cache unless told not to, and a cache is no training
-    output (nor a pytree export can return): switch ``use_cache`` off while capturing."""
-    config = getattr(model, "config", None)
-    old = getattr(config, "use_cache", None)
-    if old:
+    output (nor a pytree export can return): switch ``use_cache`` off while capturing,
+    in every config of the model (an encoder-decoder's decoder stack holds a copy of
+    its own, T5 and BART build an ``EncoderDecoderCache`` from it)."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None):
+            configs[id(config)] = config  # (by identity: one config object shared by many modules)
+        for sub in (getattr(config, "decoder", None), getattr(config, "text_config", None)):
+            if getattr(sub, "use_cache", None):
+                configs[id(sub)] = sub
+    for config in configs.values():
         config.use_cache = False
     try:
         yield
     finally:
-        if old:
-            config.use_cache = old
+        for config in configs.values():
+            config.use_cache = True
 
 
 @contextlib.contextmanager

@@ -119,6 +119,11 @@ def _convert(style: Any, axis: str, where: str) -> ModuleSpec:
         raise PlanError(f"{where}: got the class {style.__name__}; write an instance, {style.__name__}()")
     known = _known_styles()
     base = next((c for c in type(style).__mro__ if c in known), None)
+    if getattr(style, "__name__", None) == "loss_parallel":
+        raise PlanError(f"{where}: loss_parallel is torch's context manager for the loss, not a style of a module; "
+                        f"keep the logits vocab-sharded instead (ColwiseParallel(output_layouts=Shard(-1), "
+                        f"use_local_output=False) on the LM head): fxshard then computes a cross-entropy in the model "
+                        f"on the shards, as loss_parallel() does")
     if base is None:
         raise PlanError(f"{where}: no conversion for {_qualname(type(style))}, which is not one of torch's styles "
                         f"({', '.join(c.__name__ for c in known)}) nor a subclass of one; write an fxshard.ModuleSpec "

@@ -116,6 +116,10 @@ def test_other_styles_are_refused_by_name():
 
     with pytest.raises(PlanError, match=r"entry 'gate'.*Replicated.*write an fxshard.ModuleSpec"):
         Plan.from_torch(TP2, {"gate": Replicated()})
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with pytest.raises(PlanError, match=r"entry 'lm_head': loss_parallel is torch's context manager.*output_layouts=Shard\(-1\)"):
+        Plan.from_torch(TP2, {"lm_head": loss_parallel})
     from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel
 
     with pytest.raises(PlanError, match=r"entry 'attn'.*_ContextParallel"):
@@ -211,9 +215,17 @@ class Net(nn.Module):
         return self.head(self.out_norm(h))
 
 
-def make_net() -> Net:
+class NetWithLoss(Net):
+    """The mean cross-entropy in the model: torch runs it under ``loss_parallel()`` on the
+    vocab-sharded DTensor logits, fxshard on its shards (its loss_parallel pass)."""
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(super().forward(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def make_net(cls=Net) -> Net:
     torch.manual_seed(0)
-    net = Net()
+    net = cls()
     with torch.no_grad():  # non-trivial norm weights (torch's SequenceParallel assumes them replicated: they are)
         for norm in (net.norm, net.out_norm):
             norm.weight.add_(torch.randn_like(norm.weight) * 0.1)
@@ -245,6 +257,47 @@ def net_ids() -> torch.Tensor:
     return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
 
 
+def net_labels() -> torch.Tensor:
+    labels = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(4))
+    labels[:, :2] = -100  # a masked prompt
+    return labels
+
+
+def _check_grads(dmodel, sharded, mesh, what: str) -> None:
+    grads = dict(sharded.named_parameters())
+    for fqn, p in dmodel.named_parameters():
+        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grads[fqn].grad, expected_local(sharded, mesh, full, fqn), msg=lambda m: f"{what} grad of {fqn}: {m}")
+
+
+def _sgd(*models) -> None:
+    with torch.no_grad():
+        for model in models:
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+
+
+def _loss_parallel_against_dtensor(mesh):
+    """The loss inside the model: parallelize_module + ``with loss_parallel()`` against the
+    imported plan; loss and every gradient, then the loss after an SGD step."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    model = make_net(NetWithLoss)
+    dmodel = parallelize_module(copy.deepcopy(model), mesh, torch_net_plan())
+    ids, labels = net_ids(), net_labels()
+    sharded = fxshard.transform(model, make_net_plan(mesh), (torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))))
+    for step in range(2):
+        with loss_parallel():
+            theirs = dmodel(ids, labels)
+            theirs.backward()
+        ours = sharded(ids, labels)
+        ours.backward()
+        torch.testing.assert_close(ours, theirs.full_tensor(), msg=lambda m: f"loss_parallel step {step} loss: {m}")
+        _check_grads(dmodel, sharded, mesh, f"loss_parallel step {step}")
+        _sgd(dmodel, sharded)
+
+
 def _against_dtensor(sharded_after_steps, mesh, rank, world_size):
     """Fresh: Plan.from_torch + fxshard.transform vs parallelize_module on a copy of the
     same model, same ids: logits, every parameter gradient, and logits after an SGD step."""
@@ -261,21 +314,15 @@ def _against_dtensor(sharded_after_steps, mesh, rank, world_size):
         torch.testing.assert_close(ours, theirs.to_local(), msg=lambda m: f"step {step} logits: {m}")
         (theirs.full_tensor() * weights).sum().backward()
         (ours * weights[..., lo:hi]).sum().backward()  # this rank's vocab slice of the same objective
-        grads = dict(sharded.named_parameters())
-        for fqn, p in dmodel.named_parameters():
-            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            torch.testing.assert_close(grads[fqn].grad, expected_local(sharded, mesh, full, fqn),
-                                       msg=lambda m: f"step {step} grad of {fqn}: {m}")
-        with torch.no_grad():
-            for params in (dmodel.parameters(), sharded.parameters()):
-                for p in params:
-                    p -= 0.05 * p.grad
-                    p.grad = None
+        _check_grads(dmodel, sharded, mesh, f"step {step}")
+        _sgd(dmodel, sharded)
+    _loss_parallel_against_dtensor(mesh)
 
 
 def test_from_torch_equals_parallelize_module_on_gloo():
     """tp=2, real gloo: the imported plan is exact against one device (outputs, input and
-    parameter gradients, 2 SGD steps) and against parallelize_module with that plan."""
+    parameter gradients, 2 SGD steps) and against parallelize_module with that plan
+    (logits, gradients, a step later; and with the loss in the model under loss_parallel())."""
     case = Case(make_net, make_net_plan, (net_ids(),), {"tp": 2}, example_inputs=(torch.randint(0, V, (B, S)),),
                 post=_against_dtensor, name="from_torch mixed layouts")
     check_real_cases(2, [case])

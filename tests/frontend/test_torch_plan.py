@@ -166,6 +166,14 @@ def test_inert_subclasses_are_read_as_their_base():
     assert Plan.from_torch(TP2, {"w1": styled}).specs["w1"] == colwise("tp")
 
 
+@pytest.mark.parametrize("method", ["_apply", "_prepare_input_fn", "_prepare_output_fn", "_partition_linear_fn"])
+@pytest.mark.parametrize("base", [ColwiseParallel, RowwiseParallel])
+def test_a_subclass_overriding_a_method_is_refused(base, method):
+    sub = type(f"My{base.__name__}", (base,), {method: lambda self, *a: None})
+    with pytest.raises(PlanError, match=rf"entry 'w'.*My{base.__name__} \(a subclass of {base.__name__}\) overrides '{method}'"):
+        Plan.from_torch(TP2, {"w": sub()})
+
+
 def test_behaviour_changing_subclasses_are_refused_by_name():
     with pytest.raises(PlanError, match=r"entry 'norm'.*SequenceParallelWithOutput.*\['output_layouts'\].*ModuleSpec"):
         Plan.from_torch(TP2, {"norm": SequenceParallelWithOutput(output_layouts=Replicate())})

@@ -21,6 +21,11 @@ torchtitan's ``NoParallel(input_layout,             ``inputs=Replicate``, ``in_s
 output_layout)``                                    ``out_dst=output_layout``, parameters replicated
 =================================================  ==============================================
 
+torch's ``loss_parallel()`` is a context manager, not a style: the head that keeps the
+logits vocab-sharded (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``)
+is what fxshard needs, and a cross-entropy in the model then runs on the shards.  torch's
+experimental ``_ContextParallel`` is refused with :func:`fxshard.context_parallel` as the fix.
+
 ``None`` in a layout tuple is torch's "leave this argument / output alone"; it stays
 ``None`` (no declaration).  Keyword layouts apply only to the names ``input_kwarg_layouts``
 lists, as in torch (a name only in ``desired_input_kwarg_layouts`` is left alone there).
@@ -124,6 +129,10 @@ def _convert(style: Any, axis: str, where: str) -> ModuleSpec:
                         f"keep the logits vocab-sharded instead (ColwiseParallel(output_layouts=Shard(-1), "
                         f"use_local_output=False) on the LM head): fxshard then computes a cross-entropy in the model "
                         f"on the shards, as loss_parallel() does")
+    if type(style).__name__ == "_ContextParallel":  # torch's experimental context parallelism of an attention module
+        raise PlanError(f"{where}: torch's _ContextParallel (seq_dim={getattr(style, 'seq_dim', '?')}) has no one-to-one "
+                        f"fxshard spec: write fxshard.context_parallel('cp', method='allgather' or 'ring') on the module "
+                        f"around the attention, and shard the token inputs over 'cp' with Plan(inputs=...)")
     if base is None:
         raise PlanError(f"{where}: no conversion for {_qualname(type(style))}, which is not one of torch's styles "
                         f"({', '.join(c.__name__ for c in known)}) nor a subclass of one; write an fxshard.ModuleSpec "

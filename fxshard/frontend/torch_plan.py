@@ -102,9 +102,9 @@ def plan_from_torch(mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: st
     elif axis not in axes:
         raise PlanError(f"Plan.from_torch(axis={axis!r}): not an axis of the mesh, whose axes are {list(axes)}")
     if not isinstance(parallelize_plan, Mapping):
-        raise PlanError(f"Plan.from_torch: expected the plan as a dict {{fqn_pattern: ParallelStyle}}, got "
-                        f"{type(parallelize_plan).__name__}; for a style on the root module write {{'': style}} as "
-                        f"fxshard patterns name submodules, or write an fxshard.ModuleSpec")
+        raise PlanError(f"Plan.from_torch: expected the plan as a dict {{fqn_pattern: ParallelStyle}} of submodules, got "
+                        f"{type(parallelize_plan).__name__}; fxshard plans name submodules (a style for the whole model "
+                        f"has no entry): give the style to the submodules it is meant for, e.g. {{'w1': ColwiseParallel()}}")
     specs = {pattern: style_to_spec(style, axis, pattern) for pattern, style in parallelize_plan.items()}
     return Plan(mesh, specs, inputs=inputs)
 

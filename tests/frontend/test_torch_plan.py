@@ -105,6 +105,8 @@ def test_malformed_fields_are_named():
         Plan.from_torch(TP2, {"w1": ColwiseParallel})
     with pytest.raises(PlanError, match=r"axis="):
         Plan.from_torch(MeshSpec(("dp", "tp"), (2, 2)), {"w1": ColwiseParallel()})
+    with pytest.raises(PlanError, match=r"dict \{fqn_pattern: ParallelStyle\} of submodules, got ColwiseParallel"):
+        Plan.from_torch(TP2, ColwiseParallel())
     with pytest.raises(PlanError, match=r"axis='mp'"):
         Plan.from_torch(TP2, {"w1": ColwiseParallel()}, axis="mp")
 

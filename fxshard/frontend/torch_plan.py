@@ -44,6 +44,9 @@ shard-agnostic code; a DTensor through DTensor's rules), and so does fxshard's p
 rank's full model, which :func:`fxshard.transform` requires to be the same on every
 rank (a seeded init or a loaded checkpoint), so every value gives the same shards.
 
+An :class:`fxshard.ModuleSpec` among the styles is taken as it is (the fix for a style
+that cannot be translated, written in place).
+
 Subclasses of these styles are translated through their base class only when they
 change no behaviour: no method or class attribute of their own besides ``__init__``
 and ``__repr__``, and no instance attribute the base class does not set (a subclass
@@ -120,6 +123,8 @@ def style_to_spec(style: Any, axis: str, pattern: str = "?") -> ModuleSpec:
 
 
 def _convert(style: Any, axis: str, where: str) -> ModuleSpec:
+    if isinstance(style, ModuleSpec):  # the fix the errors below suggest, written into the torch plan
+        return style
     if isinstance(style, type):
         raise PlanError(f"{where}: got the class {style.__name__}; write an instance, {style.__name__}()")
     known = _known_styles()

@@ -176,6 +176,13 @@ def test_a_subclass_overriding_a_method_is_refused(base, method):
         Plan.from_torch(TP2, {"w": sub()})
 
 
+def test_a_module_spec_in_a_torch_plan_is_taken_as_is():
+    """The fix the refusals suggest, written in place of the style."""
+    spec = ModuleSpec(inputs={"tp": Shard(1)}, out_src={"tp": Shard(1)}, out_dst={"tp": Replicate()})
+    plan = Plan.from_torch(TP2, {"norm": spec, "w1": ColwiseParallel()})
+    assert plan.specs["norm"] is spec and plan.specs["w1"] == colwise("tp")
+
+
 def test_behaviour_changing_subclasses_are_refused_by_name():
     with pytest.raises(PlanError, match=r"entry 'norm'.*SequenceParallelWithOutput.*\['output_layouts'\].*ModuleSpec"):
         Plan.from_torch(TP2, {"norm": SequenceParallelWithOutput(output_layouts=Replicate())})

@@ -504,7 +504,8 @@ class Plan:
         redistribute inputs (by position, by keyword or both) and outputs; torchtitan's
         ``NoParallel`` replicates.  ``use_local_output`` may take either value.  A
         subclass is read as its base only if it changes no behaviour; otherwise the
-        error names it and what it overrides or adds.
+        error names it and what it overrides or adds.  An ``fxshard.ModuleSpec`` among
+        the styles is taken as it is.
 
         Example::
 

@@ -26,7 +26,8 @@ from fxshard.errors import PlacementMismatchError, PlanError, node_error, swappe
 from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
 from fxshard.dtensor_rules import dtensor_layout
-from fxshard.rules import Ctx, block_slice, rank_dependent_numbers, rule_for, scalar_value
+from fxshard.rules import (FILL_LIKE, Ctx, block_slice, measured_rule, measures, rank_dependent_numbers, rule_for,
+                           scalar_value, views)
 
 
 def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = (),
@@ -34,11 +35,12 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ..
     """Annotate every node with its layout (in place).  ``fsdp_axes``: the axes whose
     gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention);
     ``cp_axes``: the axes the plan shards the sequence on (``fxshard.context_parallel``)."""
+    measured = shape_only_values(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         try:
-            _propagate_node(gm, node, axes, fsdp_axes, cp_axes)
+            _propagate_node(gm, node, axes, fsdp_axes, cp_axes, measured)
         except PlanError:
             raise
         except Exception as e:  # a rule's own failure is reported at the node it failed on
@@ -48,7 +50,22 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ..
     return gm
 
 
-def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=(), cp_axes=()) -> None:
+def shape_only_values(graph: fx.Graph) -> set[fx.Node]:
+    """The values whose every use reads only their shape, dtype or device, directly
+    (``.shape``, ``.size()``, ``torch.ones_like``, ``new_zeros`` ...) or through views,
+    indexing and casts that are themselves such values: nanoGPT variants' causal mask
+    ``torch.ones_like(att[0, 0], dtype=torch.bool).tril()``.  Their numbers are never
+    read, so only their local shape must be right (:func:`fxshard.rules.measured_rule`)."""
+    found: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output") or not node.users:
+            continue
+        if all(measures(u, node) or (u in found and views(u, node)) for u in node.users):
+            found.add(node)
+    return found
+
+
+def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=(), cp_axes=(), measured=frozenset()) -> None:
     meta = info(node)
     if node.op == "placeholder":
         meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
@@ -68,8 +85,9 @@ def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=(), cp_ax
     elif node.op == "call_module" and isinstance(meta.declared, LocalRegion):
         _local_region(node, axes)
     else:
-        _apply_rule(node, axes, fsdp_axes, cp_axes)
-    _flow_blocks(node)
+        _apply_rule(node, axes, fsdp_axes, cp_axes, measured)
+    if node not in measured:  # a fused output only measured: its parts' order is never read
+        _flow_blocks(node)
 
 
 def _check_splits(node, value: TensorInfo, splits, axes):
@@ -115,7 +133,8 @@ def _flow_blocks(node: fx.Node) -> None:
         if kept is not None and len(kept) > 1:
             out.blocks = kept
         return
-    preserving = node.target in (region_input, region_output) or (node.op == "call_method" and node.target in _BLOCK_PRESERVING)
+    preserving = (node.target in (region_input, region_output) or node.target in FILL_LIKE
+                  or (node.op == "call_method" and node.target in _BLOCK_PRESERVING))
     src = info(node.args[0]).value if preserving and node.args and isinstance(node.args[0], fx.Node) else None
     if isinstance(src, TensorInfo) and src.blocks and src.layout == out.layout and src.shape == out.shape:
         out.blocks = src.blocks
@@ -151,7 +170,8 @@ def _check_blocked_use(node: fx.Node, out) -> None:
     if node.op == "call_function" and node.target is torch.nn.functional.linear and all(a is not node.args[0] for a, _ in blocked):
         return  # the fused weight (and bias) of the projection itself
     known = {"view", "reshape", "split", "chunk", "t", "size", "dim"} | _BLOCK_PRESERVING
-    if node.target in (region_input, region_output, torch.split, torch.chunk) or (node.op == "call_method" and node.target in known):
+    if (node.target in (region_input, region_output, torch.split, torch.chunk, *FILL_LIKE)
+            or (node.op == "call_method" and node.target in known)):
         return
     if not isinstance(out, TensorInfo):
         if isinstance(out, tuple):
@@ -265,7 +285,25 @@ def _inputs_require_grad(node) -> bool:
     return any(grads)
 
 
-def _apply_rule(node: fx.Node, axes, fsdp_axes=(), cp_axes=()):
+def _apply_rule(node: fx.Node, axes, fsdp_axes=(), cp_axes=(), measured=frozenset()):
+    try:
+        _apply_value_rule(node, axes, fsdp_axes, cp_axes)
+    except PlanError as refusal:
+        # a value only measured needs its local shape, not its numbers (shape_only_values)
+        rule = measured_rule(node) if node in measured else None
+        if rule is None:
+            raise
+        try:
+            layout = rule(Ctx(node, axes, fsdp_axes, cp_axes))
+        except PlanError:
+            raise refusal from None
+        meta = info(node)
+        meta.value = _wrap(node, layout, axes, False)  # no gradient reaches a value only measured
+        meta.rule = f"{rule_for(node)[0] or node.target}: only its shape is read"
+        meta.rewrite = None
+
+
+def _apply_value_rule(node: fx.Node, axes, fsdp_axes=(), cp_axes=()):
     meta = info(node)
     ctx = Ctx(node, axes, fsdp_axes, cp_axes)
     tensors = ctx.tensor_args()
@@ -368,7 +406,9 @@ def _raise_if_swapped(node, b, src, expected, nd, where):
                                        f"{fmt_layout(expected)}: module {b.fqn!r} is row-parallel and the module its output "
                                        f"feeds, {col!r}, is column-parallel; the two look swapped",
                                  f"swap them: colwise() on {b.fqn!r} and rowwise() on {col!r} (a column-parallel linear "
-                                 f"takes the replicated input and shards its output, the row-parallel one after it reduces)",
+                                 f"takes the replicated input and shards its output, the row-parallel one after it reduces); "
+                                 f"only if {b.fqn!r} is meant to be row-parallel on this input, declare "
+                                 f"inputs={_suggest(src.layout, expected)} in its preset",
                                  PlacementMismatchError)
 
 

@@ -23,6 +23,7 @@ adds a comment per entry saying what was found and what it costs.
 """
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -39,15 +40,27 @@ from .errors import PlanError
 from .mesh import MeshSpec, mesh_shape
 from .plan import ModuleSpec, Plan, colwise, distributed_norm, rowwise, vocab_parallel
 from .plan import sequence_parallel as sequence_parallel_spec
+from .rules import measures
 
 
 class AutoPlan(Plan):
     """A :class:`Plan` that remembers why: ``why[pattern]`` is a line per entry,
-    ``considered`` the variants tried with their bytes per step (or why they failed).
-    It prints as the code that builds it, one comment per entry."""
+    ``considered`` the variants tried with their bytes per step (or why they failed),
+    ``left_whole[pattern]`` why each module that holds weights auto_plan could have
+    sharded is left replicated (a projection with no partner, a pattern every variant of
+    which ``transform`` refused, a module fxshard cannot see inside ...).
+    It prints as the code that builds it, one comment per entry, then what it left whole.
+
+    Example::
+
+        plan = fxshard.auto_plan(model, mesh, (ids,))
+        for pattern, why in plan.left_whole.items():
+            print(pattern, "stays replicated:", why)
+    """
 
     why: dict[str, str]
     considered: list[str]
+    left_whole: dict[str, str]
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{a}={n}" for a, n in self.axes.items())
@@ -57,6 +70,13 @@ class AutoPlan(Plan):
             why = getattr(self, "why", {}).get(pattern)
             out.append(f"{line}  # {why}" if why else line)
         out.append("})")
+        left = getattr(self, "left_whole", {})
+        if left:
+            out.append("# left replicated (module: why):")
+            by_reason: dict[str, list[str]] = {}
+            for pattern, why in left.items():
+                by_reason.setdefault(why, []).append(pattern)
+            out += [f"#   {', '.join(map(repr, patterns))}: {why}" for why, patterns in by_reason.items()]
         considered = getattr(self, "considered", [])
         if considered:
             out.append("# considered (the whole plan so far, one training step, by comm_summary):")
@@ -168,7 +188,11 @@ def auto_plan(model: nn.Module, mesh, example_inputs: Sequence[Any] = (), exampl
         marked = {fqn for g in groups + ([stream] if stream else []) for _, v in g.variants for fqn in v}
         everything = Plan(MeshSpec(tuple(axes), tuple(axes.values())), {f: ModuleSpec(out_src={}) for f in sorted(marked)})
         captured = trace(model, everything, example_inputs, example_kwargs)
-        return _choose(captured, mesh, axes, groups, stream)
+        plan, refused = _choose(captured, mesh, axes, groups, stream)
+    plan.left_whole = _left_whole(plan, projections, embeddings, modules, groups, refused, vocab)
+    if not plan.specs:
+        raise PlanError(_nothing_sharded(axis, plan.left_whole))
+    return plan
 
 
 # ----------------------------------------------------------------------------- reading the graph
@@ -221,13 +245,14 @@ def _find(gm: fx.GraphModule, model: nn.Module):
             hit = _owner(node.args[1])
             if hit and hit[0] in modules:
                 embeddings.setdefault(_caller(node, hit[0], modules), node)
+    opaque = {n.target: type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"}
     by_node = {p.node: p for p in projections.values()}
     for p in projections.values():
         seen, todo = set(), [p.node]
         while todo:
             x = todo.pop()
             for u in x.users:
-                if u in seen:
+                if u in seen or measures(u, x):  # a size read (B, T, C = x.size()) carries no values
                     continue
                 seen.add(u)
                 if u in by_node and u.args[0] is x:
@@ -237,7 +262,7 @@ def _find(gm: fx.GraphModule, model: nn.Module):
                 elif u not in by_node:
                     todo.append(u)
         p.reach = seen
-    return projections, embeddings, (modules, norms)
+    return projections, embeddings, (modules, norms, opaque)
 
 
 def _reads_input(ids) -> bool:
@@ -261,7 +286,7 @@ def _upstream(r: _Projection, projections: dict[str, _Projection]) -> set[str]:
         if x in by_node:
             found.add(by_node[x])
             continue
-        todo.extend(x.all_input_nodes)
+        todo.extend(a for a in x.all_input_nodes if not measures(x, a))
     return found
 
 
@@ -275,6 +300,8 @@ def _parts(p: _Projection) -> list[int] | None:
             if u.op == "call_method" and u.target in ("view", "reshape") and (u.meta.get("val") is not None
                                                                            and u.meta["val"].shape[-1] == width):
                 todo.append(u)
+            elif u.op == "call_method" and u.target in ("view", "reshape") and (k := _leading_factor(u, width)):
+                return [width // k] * k  # timm's qkv.reshape(B, N, 3, heads, head_dim): the parts outermost
             elif (u.op == "call_method" and u.target == "split") or u.target is torch.split:
                 sizes, dim = u.args[1], (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0))
                 if dim in (-1, u.args[0].meta["val"].dim() - 1):
@@ -294,6 +321,19 @@ def _parts(p: _Projection) -> list[int] | None:
                     cuts.update({start, stop})
     cuts = sorted(cuts | {0, width})
     return [b - a for a, b in zip(cuts, cuts[1:])] if len(cuts) > 2 else None
+
+
+def _leading_factor(view: fx.Node, width: int) -> int | None:
+    """``k`` when ``view`` cuts the last dim (``width``) into three or more dims ``[k, h, d]``
+    (parts, heads, head dim), else None; a plain ``[h, d]`` is heads, not parts."""
+    val, src = view.meta.get("val"), view.args[0].meta.get("val") if isinstance(view.args[0], fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.dim() < src.dim() + 2:
+        return None
+    lead = src.dim() - 1
+    if tuple(val.shape[:lead]) != tuple(src.shape[:lead]) or math.prod(val.shape[lead:]) != width:
+        return None
+    k = int(val.shape[lead])
+    return k if 1 < k < width and width % k == 0 else None
 
 
 def _heads(p: _Projection) -> int | None:
@@ -357,8 +397,15 @@ def _generalize(specs: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
     for pattern, items in by_pattern.items():
         if all(s == items[0][1] for _, s in items):
             out[pattern] = items[0][1]
-        else:
-            out.update(dict(items))
+            continue
+        inner: dict[str, list[tuple[str, ModuleSpec]]] = {}  # an nn.Sequential's index is not a layer's
+        for fqn, spec in items:
+            inner.setdefault(re.sub(r"(?<=\.)\d+(?=\.)", "*", fqn), []).append((fqn, spec))
+        for sub, members in inner.items():
+            if len(members) > 1 and all(s == members[0][1] for _, s in members):
+                out[sub] = members[0][1]
+            else:
+                out.update(dict(members))
     return out
 
 
@@ -371,7 +418,7 @@ def _tied(model: nn.Module, a: str, b: str) -> bool:
 def _groups(projections, embeddings, found, model, axis, n, loss_parallel, vocab, sequence_parallel):
     """The patterns, each with its variants (best first); and with ``sequence_parallel``
     the sequence-sharded residual stream (norms, positions), which holds only as a whole."""
-    modules, norm_stats = found
+    modules, norm_stats, _ = found
     seq = Shard(1) if sequence_parallel else Replicate()
     groups: list[_Group] = []
     used: set[str] = set()
@@ -503,11 +550,14 @@ def _choose(captured: fx.GraphModule, mesh, axes, groups: list[_Group], stream: 
     spec_mesh = MeshSpec(tuple(axes), tuple(axes.values()))
     considered: list[str] = []
 
+    errors: dict[str, PlanError] = {}
+
     def cost(specs, label):
         try:
             gm = transform(captured, Plan(spec_mesh, _generalize(specs)))
         except PlanError as e:
             considered.append(f"{label}: refused ({str(e).splitlines()[0][:120]})")
+            errors[label] = e
             return None, e
         rows = comm_summary(gm).select()
         wire = sum(r.wire_bytes for r in rows)
@@ -556,4 +606,86 @@ def _choose(captured: fx.GraphModule, mesh, axes, groups: list[_Group], stream: 
     plan = AutoPlan(mesh, specs)
     plan.why = {p: why.get(p, "") for p in specs}
     plan.considered = considered
-    return plan
+    refused = {i: errors.get(f"{g.what}: {g.variants[0][0]}") for i, g in enumerate(groups) if i not in picked}
+    return plan, refused
+
+
+# ----------------------------------------------------------------------------- what is left whole
+
+
+def _refusal(e: PlanError | None) -> str:
+    """A PlanError in one line: where, and the problem."""
+    if e is None:
+        return "refused"
+    lines = [line.strip() for line in str(e).splitlines()]
+    problem = next((line[len("problem:"):].strip() for line in lines if line.startswith("problem:")), "")
+    text = f"{lines[0]}: {problem}" if problem else lines[0]
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _left_whole(plan: Plan, projections, embeddings, found, groups, refused, vocab) -> dict[str, str]:
+    """Why each module holding weights auto_plan could shard stays replicated, by pattern."""
+    modules, _, opaque = found
+    left: dict[str, str] = {}
+    for i, err in refused.items():
+        g = groups[i]
+        for fqn in g.variants[0][1] if g.variants else ():
+            left[fqn] = f"{g.what}: transform refused every variant: {_refusal(err)}"
+    covered = lambda fqn: fqn in left or plan.match(fqn) is not None  # noqa: E731
+    for fqn, p in projections.items():
+        if covered(fqn):
+            continue
+        if p.to_output and not p.users:
+            left[fqn] = "output projection: vocab=False keeps it replicated" if not vocab else "output projection, not sharded"
+        elif p.users:
+            names = sorted({_pattern(u) for u in p.users})
+            left[fqn] = (f"no column -> row pair: its output feeds {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                         f", not a single row-parallel projection")
+        else:
+            left[fqn] = "no column -> row pair: its output reaches no other projection and not the output"
+    for fqn, node in embeddings.items():
+        if covered(fqn):
+            continue
+        if not _reads_input(node.args[0]):
+            left[fqn] = "position embedding (looked up by positions, not by input ids): small, kept whole"
+        elif not vocab:
+            left[fqn] = "token embedding: vocab=False keeps it replicated"
+        else:
+            left[fqn] = "token embedding, not sharded (its dims do not divide by the axis)"
+    for fqn, kind in opaque.items():
+        owns = next(modules[fqn].parameters(), None) is not None if fqn in modules else False
+        if not covered(fqn) and owns:
+            left[fqn] = (f"fxshard cannot see inside it ({kind}: a leaf call whose forward is not traced; "
+                         f"no functional form is known for it)")
+    return _by_pattern(left)
+
+
+def _by_pattern(left: dict[str, str]) -> dict[str, str]:
+    """Layer indices become ``*`` where every layer gives the same reason."""
+    layerless = lambda text: re.sub(r"(?<=\.)\d+(?=\.)", "*", text)  # noqa: E731
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for fqn, why in left.items():
+        groups.setdefault(_pattern(fqn), []).append((fqn, layerless(why)))
+    out: dict[str, str] = {}
+    for pattern, items in groups.items():
+        if all(w == items[0][1] for _, w in items):
+            out[pattern] = items[0][1]
+        else:
+            out.update({fqn: left[fqn] for fqn, _ in items})
+    return out
+
+
+def _nothing_sharded(axis: str, left: dict[str, str]) -> str:
+    """The message of the PlanError for a plan that would shard nothing."""
+    if not left:
+        return (f"auto_plan found nothing to shard on {axis!r}: the captured graph has no linear projection and no "
+                f"token embedding\n  fix: write the plan by hand (fxshard.Plan), or leave this model unsharded on "
+                f"{axis!r}")
+    lines = [f"auto_plan found nothing it can shard on {axis!r}; every module stays replicated:"]
+    by_reason: dict[str, list[str]] = {}
+    for pattern, why in left.items():
+        by_reason.setdefault(why, []).append(pattern)
+    lines += [f"  {', '.join(patterns)}: {why}" for why, patterns in by_reason.items()]
+    lines.append("  fix: act on the reasons above (a module fxshard cannot see inside can be declared a local region, "
+                 "ModuleSpec(local=True)), or write the plan by hand with fxshard.colwise/rowwise")
+    return "\n".join(lines)

@@ -1026,6 +1026,23 @@ def expand(ctx: Ctx):
     return _layout_map(ctx, lambda axis: Shard(x.layout[axis].dim + off) if isinstance(x.layout[axis], Shard) else x.layout[axis])
 
 
+def triangle(ctx: Ctx):
+    """``tril`` / ``triu``: a mask over the last two dims by their positions.  Other dims
+    may be sharded (the heads of a causal mask ``[H, T, T]``); the last two must be whole,
+    or a rank would compare its local positions.  It is linear: a Partial stays one."""
+    x = ctx.t(0, "input")
+    nd = len(x.shape)
+
+    def one(axis):
+        p = x.layout[axis]
+        if isinstance(p, Shard) and p.dim >= nd - 2:
+            raise ctx.fail(f"{_name(ctx.node)} over dim {p.dim}, which is sharded on {axis!r}: each rank would mask by "
+                           f"its local positions", "build the mask before sharding that dim, or keep it Replicate")
+        return p
+
+    return _layout_map(ctx, one)
+
+
 def repeat_interleave(ctx: Ctx):
     x = ctx.t(0)
     dim = ctx.arg(2, "dim")
@@ -1102,23 +1119,7 @@ def getitem(ctx: Ctx):
     if not isinstance(v, TensorInfo):
         return None
     items = idx if isinstance(idx, tuple) else (idx,)
-    nd = len(v.shape)
-    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
-    mapping, advanced, advanced_out, in_d, out_d = {}, [], [], 0, 0
-    for it in items:
-        if it is None:
-            out_d += 1
-        elif it is Ellipsis:
-            for _ in range(nd - consumed):
-                mapping[in_d] = out_d; in_d += 1; out_d += 1
-        elif isinstance(it, slice):
-            mapping[in_d] = (out_d, it); in_d += 1; out_d += 1
-        elif isinstance(it, int) or isinstance(ctx.info_of(it), SizeInfo):
-            mapping[in_d] = None; in_d += 1
-        else:
-            advanced.append(in_d); advanced_out.append(out_d); in_d += 1; out_d += 1
-    while in_d < nd:
-        mapping[in_d] = out_d; in_d += 1; out_d += 1
+    mapping, advanced, advanced_out = _index_map(ctx, items, len(v.shape))
 
     index_tensors = [(it, ctx.info_of(it)) for it in items if isinstance(ctx.info_of(it), TensorInfo)]
 
@@ -1161,6 +1162,164 @@ def getitem(ctx: Ctx):
         return Shard(m)
 
     return _layout_map(ctx, one)
+
+
+def _index_map(ctx: Ctx, items: tuple, nd: int):
+    """Where each dim of a tensor goes under ``x[items]``: ``{dim: out_dim}`` for dims kept
+    whole, ``{dim: (out_dim, slice)}`` for sliced ones, ``{dim: None}`` for dims an int
+    selects away; and the input and output dims of advanced (tensor) indices."""
+    consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+    mapping, advanced, advanced_out, in_d, out_d = {}, [], [], 0, 0
+    for it in items:
+        if it is None:
+            out_d += 1
+        elif it is Ellipsis:
+            for _ in range(nd - consumed):
+                mapping[in_d] = out_d; in_d += 1; out_d += 1
+        elif isinstance(it, slice):
+            mapping[in_d] = (out_d, it); in_d += 1; out_d += 1
+        elif isinstance(it, int) or isinstance(ctx.info_of(it), SizeInfo):
+            mapping[in_d] = None; in_d += 1
+        else:
+            advanced.append(in_d); advanced_out.append(out_d); in_d += 1; out_d += 1
+    while in_d < nd:
+        mapping[in_d] = out_d; in_d += 1; out_d += 1
+    return mapping, advanced, advanced_out
+
+
+# ----------------------------------------------------------------------------- values only measured
+#
+# A value whose every use reads only its shape, dtype or device (``torch.ones_like(att[0, 0])``,
+# ``x[0].size(-1)``, ``x.new_zeros(...)``), directly or through views and indexing, needs no
+# layout for its numbers, only the right *local shape*: what each rank's program computes from
+# it is built from that shape.  ``propagate`` finds such values (``shape_only_values``) and, where
+# the rule for their numbers refuses the op, lays them out by the rules below instead: the
+# layout whose local shape is what the op gives on each rank's local tensor.  A sharded dim an
+# int selects away leaves the global shape (Replicate); one kept whole stays sharded.
+
+_aten = torch.ops.aten
+FILL_LIKE = (torch.ones_like, torch.zeros_like, torch.empty_like, torch.full_like, torch.rand_like,
+             torch.randn_like, torch.randint_like,  # and as torch.export records them:
+             _aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default,
+             _aten.rand_like.default, _aten.randn_like.default, _aten.randint_like.default, _aten.randint_like.low_dtype)
+_MEASURING_METHODS = {"size", "dim", "new_empty", "new_zeros", "new_ones", "new_full", "get_device",
+                      "is_floating_point", "is_complex", "element_size"}
+_MEASURED_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"}
+_VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "t",
+                 "contiguous", "to", "float", "half", "bfloat16", "double", "detach", "clone", "expand", "select",
+                 "narrow", "type"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze,
+                   torch.transpose, torch.permute, torch.t, torch.select, torch.narrow, torch.clone, torch.detach}
+
+
+def fill_like(ctx: Ctx):
+    """``torch.ones_like(x)`` and the other ``*_like``: a new tensor of ``x``'s *local* shape
+    on each rank.  Constant (or random) fill has no position, so that is the global result
+    laid out like ``x`` -- except that a Partial ``x`` has the whole shape on each rank:
+    the result is Replicate there."""
+    x = ctx.t(0, "input")
+    if x is None:
+        return {a: R for a in ctx.axes}
+    return _layout_map(ctx, lambda axis: R if isinstance(x.layout[axis], Partial) else x.layout[axis])
+
+
+def _only_as_self(node: fx.Node, value: fx.Node, names=("input", "self")) -> bool:
+    """``value`` is ``node``'s first argument (the tensor it measures or views) and no other."""
+    first = node.args[0] if node.args else next((node.kwargs[k] for k in names if k in node.kwargs), None)
+    if first is not value:
+        return False
+    rest = [*node.args[1:], *(v for k, v in node.kwargs.items() if node.args or k not in names)]
+    found: list[fx.Node] = []
+    fx.node.map_arg(rest, found.append)
+    return value not in found
+
+
+def measures(node: fx.Node, value: fx.Node) -> bool:
+    """Does ``node`` read only the shape, dtype or device of ``value``?"""
+    if node.op == "call_function" and node.target in FILL_LIKE:
+        return _only_as_self(node, value)
+    if node.op == "call_method" and node.target in _MEASURING_METHODS:
+        return _only_as_self(node, value)
+    if node.op == "call_function" and node.target is builtins.getattr:
+        return node.args[0] is value and node.args[1] in _MEASURED_ATTRIBUTES
+    return False
+
+
+def views(node: fx.Node, value: fx.Node) -> bool:
+    """Is ``node`` a view, index or cast of ``value`` (its result shaped from it)?"""
+    if node.op == "call_method" and node.target in _VIEW_METHODS or node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
+        return _only_as_self(node, value)
+    return False
+
+
+def _sliced_length_kept(ctx: Ctx, x: TensorInfo, axis: str, dim: int, s) -> bool:
+    """Does slicing dim ``dim`` (sharded on ``axis`` only) with the literal slice ``s`` give
+    every rank's local piece the length it gives the whole dim?"""
+    from .shards import chunk_range
+
+    if not isinstance(s, slice) or not all(b is None or isinstance(b, int) for b in (s.start, s.stop, s.step)):
+        return False
+    if sum(1 for p in x.layout.values() if p == Shard(dim)) != 1:
+        return False
+    n, size = ctx.axes[axis], x.shape[dim]
+    want = len(range(size)[s])
+    return all(len(range(chunk_range(size, n, i)[1])[s]) == want for i in range(n))
+
+
+def _measured_index(ctx: Ctx, x: TensorInfo, items: tuple):
+    mapping, advanced, _ = _index_map(ctx, items, len(x.shape))
+
+    def one(axis):
+        p = x.layout[axis]
+        if not isinstance(p, Shard):
+            return R  # Partial or Replicate: each rank holds the whole shape
+        if advanced:
+            raise ctx.fail(f"advanced indexing of a tensor sharded on {axis!r}", "make it Replicate before indexing")
+        m = mapping[p.dim]
+        if m is None:
+            return R  # the sharded dim is selected away: the rest has its global shape on every rank
+        if not isinstance(m, tuple) or m[1] == slice(None):
+            return Shard(m[0] if isinstance(m, tuple) else m)
+        if _sliced_length_kept(ctx, x, axis, p.dim, m[1]):
+            return R
+        raise ctx.fail(f"slicing dim {p.dim}, which is sharded on {axis!r}", "slice a Replicate dim")
+
+    return _layout_map(ctx, one)
+
+
+def measured_getitem(ctx: Ctx):
+    """``x[idx]`` whose result is only measured: the layout of its local shape."""
+    idx = ctx.arg(1)
+    return _measured_index(ctx, ctx.t(0), idx if isinstance(idx, tuple) else (idx,))
+
+
+def measured_select(ctx: Ctx):
+    """``x.select(dim, i)`` whose result is only measured."""
+    x = ctx.t(0)
+    dim = _traced_int(ctx, ctx.arg(1, "dim")) % len(x.shape)
+    return _measured_index(ctx, x, (slice(None),) * dim + (0,))
+
+
+def measured_narrow(ctx: Ctx):
+    """``x.narrow(dim, start, length)`` whose result is only measured."""
+    x = ctx.t(0)
+    dim = _traced_int(ctx, ctx.arg(1, "dim")) % len(x.shape)
+    start, length = ctx.arg(2, "start"), ctx.arg(3, "length")
+    if not isinstance(start, int) or not isinstance(length, int):
+        raise ctx.fail("narrow of a sharded dim by a length read at run time", "narrow a Replicate dim")
+    return _measured_index(ctx, x, (slice(None),) * dim + (slice(start, start + length),))
+
+
+def measured_rule(node: fx.Node) -> Callable | None:
+    """The rule laying out ``node``'s local shape when only its shape is read, or None
+    where the rule for its numbers already gives that (views keep sharded dims whole)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return measured_getitem
+    if node.target in ("select", torch.select):
+        return measured_select
+    if node.target in ("narrow", torch.narrow):
+        return measured_narrow
+    return None
 
 
 def block_slice(v: TensorInfo, dim: int, s: slice) -> tuple[int, ...] | None:
@@ -1313,6 +1472,8 @@ RULES: dict[Any, Callable] = {
     torch.sum: reduction("sum"), torch.mean: reduction("mean"), torch.amax: reduction("amax"),
     operator.mod: _nonlin, builtins.abs: _nonlin,
     torch.arange: factory, torch.zeros: factory, torch.ones: factory, torch.full: factory, torch.empty: factory,
+    **{f: fill_like for f in FILL_LIKE}, torch.tril: triangle, torch.triu: triangle,
+    torch.ops.aten.tril.default: triangle, torch.ops.aten.triu.default: triangle,
 }
 RULES[torch.ops.fxshard.sliding_window_mask.default] = sliding_window_mask
 # Python numbers: math.* (fx autowraps the math module) and builtins a capture may record.
@@ -1320,7 +1481,7 @@ RULES.update({f: scalar_or(None) for f in vars(math).values() if callable(f) and
 RULES.update({f: scalar_or(None) for f in (builtins.min, builtins.max, builtins.round, builtins.int, builtins.float)})
 
 METHOD_RULES: dict[str, Callable] = {
-    "copy_": copy_into, "new_empty": fresh_like, "new_zeros": fresh_like, "new_ones": fresh_like,
+    "copy_": copy_into, "new_empty": fresh_like, "new_zeros": fresh_like, "new_ones": fresh_like, "new_full": fresh_like,
     "add": _add, "sub": _add, "mul": _mul, "div": _div, "neg": _unary, "__add__": _add,
     "float": _unary, "half": _unary, "bfloat16": _unary, "double": _unary, "to": _type_as, "type_as": _type_as,
     "contiguous": _unary, "clone": _unary, "detach": _unary,
@@ -1335,6 +1496,7 @@ METHOD_RULES: dict[str, Callable] = {
     "split": split, "chunk": split, "narrow": narrow,
     "sum": reduction("sum"), "mean": reduction("mean"), "amax": reduction("amax"), "max": reduction("max"),
     "size": size, "dim": lambda ctx: SizeInfo(len(ctx.t(0).shape), frozenset()),
+    "tril": triangle, "triu": triangle,
 }
 
 INT_RULES = {operator.mul: int_arith(operator.mul), operator.floordiv: int_arith(operator.floordiv),

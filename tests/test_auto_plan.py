@@ -145,3 +145,119 @@ def test_wrong_use_is_a_plan_error():
         fxshard.auto_plan(model, MESH, (ids,), axis="dp")
     with pytest.raises(PlanError, match="pass vocab=True"):
         fxshard.auto_plan(model, MESH, (ids,), loss_parallel=True, vocab=False)
+
+
+# ----------------------------------------------------------------------------- what auto_plan leaves whole
+
+
+class VitAttention(torch.nn.Module):
+    """timm's ViT attention, as timm writes it: fused qkv reshaped to (3, heads, head_dim),
+    identity q/k norms, dropout modules (fx-traceable: sizes read with ``x.size()``)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.q_norm, self.k_norm = torch.nn.Identity(), torch.nn.Identity()
+        self.attn_drop, self.proj_drop = torch.nn.Dropout(0.0), torch.nn.Dropout(0.0)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.size()
+        qkv = self.qkv(x).reshape(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+
+
+class VitBlock(torch.nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        nn = torch.nn
+        self.norm1, self.attn, self.ls1, self.drop_path1 = nn.LayerNorm(dim), VitAttention(dim), nn.Identity(), nn.Identity()
+        self.norm2, self.ls2, self.drop_path2 = nn.LayerNorm(dim), nn.Identity(), nn.Identity()
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.0), nn.Identity(), nn.Linear(4 * dim, dim),
+                                 nn.Dropout(0.0))
+
+    def forward(self, x):
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class TinyVit(torch.nn.Module):
+    def __init__(self, dim=32, patches=8, patch_dim=12, classes=10):
+        super().__init__()
+        nn = torch.nn
+        self.patch_embed = nn.Linear(patch_dim, dim)
+        self.pos_embed = nn.Parameter(torch.randn(1, patches, dim) * 0.02)
+        self.pos_drop, self.norm_pre = nn.Dropout(0.0), nn.Identity()
+        self.blocks = nn.Sequential(VitBlock(dim), VitBlock(dim))
+        self.norm, self.fc_norm, self.head_drop = nn.LayerNorm(dim), nn.Identity(), nn.Dropout(0.0)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.norm_pre(self.pos_drop(self.patch_embed(x) + self.pos_embed))
+        return self.head(self.head_drop(self.fc_norm(self.norm(self.blocks(x)).mean(1))))
+
+
+def tiny_vit():
+    torch.manual_seed(0)
+    return TinyVit()
+
+
+PATCHES = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(7))
+
+
+def test_vit_with_identity_leaves_shards_attention_and_mlp_and_says_what_it_left():
+    model = tiny_vit()
+    plan = fxshard.auto_plan(model, MESH, (PATCHES,), vocab=False)
+    assert plan.specs["blocks.*.attn.qkv"].splits == (32, 32, 32)  # the (3, heads, head_dim) view: parts outermost
+    assert {"blocks.*.attn.proj", "blocks.*.mlp.0", "blocks.*.mlp.4"} <= set(plan.specs), plan
+    assert set(plan.left_whole) == {"patch_embed", "head"}, plan.left_whole
+    assert plan.left_whole["head"] == "output projection: vocab=False keeps it replicated"
+    assert "feeds blocks.*.attn.qkv" in plan.left_whole["patch_embed"]
+    text = repr(plan)
+    assert "# left replicated (module: why):" in text and "'head': output projection: vocab=False" in text
+    check_simulated(tiny_vit, lambda mesh: Plan(mesh, plan.specs), (PATCHES,), {"tp": 2})
+
+
+class _OpaqueBetween(torch.nn.Module):
+    """A pair whose middle fxshard cannot see inside (nn.Softmax2d does not trace), and a
+    parameter-owning leaf with no functional form (nn.PReLU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.mid, self.fc2, self.act = (torch.nn.Linear(16, 32), torch.nn.Softmax2d(), torch.nn.Linear(32, 16),
+                                                  torch.nn.PReLU())
+
+    def forward(self, x):
+        return self.act(self.fc2(self.mid(self.fc1(x))))
+
+
+def test_a_plan_that_would_shard_nothing_is_a_plan_error_with_the_reasons():
+    with pytest.raises(PlanError, match="auto_plan found nothing it can shard on 'tp'") as e:
+        fxshard.auto_plan(_OpaqueBetween(), MESH, (torch.randn(2, 4, 16),))
+    text = str(e.value)
+    assert "fc1, fc2: fc1 -> fc2: transform refused every variant: cannot shard node `mid`" in text
+    assert "cannot see inside this module call" in text
+    assert "act: fxshard cannot see inside it (PReLU" in text and "fix:" in text
+    with pytest.raises(PlanError, match="no linear projection and no token embedding"):
+        fxshard.auto_plan(torch.nn.Sequential(torch.nn.ReLU()), MESH, (torch.randn(2, 4),))
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_hf_encoder_attention_and_mlp_are_sharded(family):
+    transformers = pytest.importorskip("transformers")
+    config, cls = {"bert": (transformers.BertConfig, transformers.BertModel),
+                   "roberta": (transformers.RobertaConfig, transformers.RobertaModel)}[family]
+    torch.manual_seed(0)
+    model = cls(config(vocab_size=V, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                       max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    plan = fxshard.auto_plan(model, MESH, example_kwargs={"input_ids": torch.randint(3, V, (2, 8))}, vocab=False)
+    layer = "encoder.layer.*."
+    for pattern in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+        assert plan.specs[layer + pattern] == fxshard.colwise(), (pattern, plan)
+    for pattern in ("attention.output.dense", "output.dense"):
+        assert plan.specs[layer + pattern] == fxshard.rowwise(), (pattern, plan)
+    assert "embeddings.word_embeddings" in plan.left_whole and "embeddings.position_embeddings" in plan.left_whole

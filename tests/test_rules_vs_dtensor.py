@@ -124,6 +124,17 @@ def _assembled(a, b):
     return buf
 
 
+_aten = torch.ops.aten
+_LIKE = [("ones_like", lambda x: torch.ones_like(x), _aten.ones_like.default),
+         ("zeros_like", lambda x: torch.zeros_like(x), _aten.zeros_like.default),
+         ("empty_like", lambda x: torch.empty_like(x).fill_(2.0), _aten.empty_like.default),
+         ("full_like", lambda x: torch.full_like(x, 3.0), _aten.full_like.default),
+         ("rand_like", lambda x: torch.rand_like(x) < 2, _aten.rand_like.default),
+         ("randn_like", lambda x: torch.randn_like(x) * 0, _aten.randn_like.default),
+         ("randint_like", lambda x: torch.randint_like(x, 5) < 5, _aten.randint_like.default),
+         ("randint_like/low", lambda x: torch.randint_like(x, 1, 5) > 0, _aten.randint_like.low_dtype)]
+
+
 def _same_qkv(lays):
     """k and v alike, and either Replicate or laid out like q."""
     return lays[1] == lays[2] and all(isinstance(p, Replicate) for p in lays[1].values()) or lays[0] == lays[1] == lays[2]
@@ -328,6 +339,15 @@ SAMPLES: list[Sample] = [
     _s("new_empty/assembled", lambda a, b: _assembled(a, b), (2, 4, 4), (2, 1, 4)),
     _s("new_zeros", lambda x: x.new_zeros(2, 4, 8), X),
     _s("new_ones", lambda x: x.new_ones((2, 4)), X),
+    _s("new_full", lambda x: x.new_full((2, 4), 1.5), X),
+    # -- new tensors of their input's local shape (rules.fill_like); random ones read so that only the shape shows
+    *[_s(f"{ns}.{name}", fn, X, retarget=None if ns == "torch" else (("call_function", getattr(torch, name.split("/")[0])), ("call_function", op)))
+      for name, fn, op in _LIKE for ns in ("torch", "aten")],
+    # -- masks by position over the last two dims (rules.triangle)
+    _s("torch.tril", lambda x: torch.tril(x), X), _s("torch.triu", lambda x: torch.triu(x, 1), X),
+    _s("tril", lambda x: x.tril(-1), X), _s("triu", lambda x: x.triu(), X),
+    _s("aten.tril", lambda x: torch.tril(x), X, retarget=(("call_function", torch.tril), ("call_function", torch.ops.aten.tril.default))),
+    _s("aten.triu", lambda x: torch.triu(x), X, retarget=(("call_function", torch.triu), ("call_function", torch.ops.aten.triu.default))),
     # -- indexing, sizes
     _s("getitem/int", lambda x: x[:, 1], X),
     _s("getitem/slice", lambda x: x[..., 2:6], X),
@@ -513,6 +533,12 @@ ALLOWLIST: list[Entry] = [
           "(rules.shard_broadcast), and a new buffer the sharded parts are copied into is built sharded like them "
           "(rules.fresh_like); DTensor chunks the broadcast or gathers the parts instead (its R->S is local, S->R is not)",
           verdicts=(ACC_REDIST,)),
+    Entry("like-of-partial-replicate", ("torch.empty_like", "aten.empty_like"), "empty_like of a Partial value: fxshard "
+          "builds a tensor of the whole shape, Replicate (rules.fill_like); DTensor keeps it Partial, so a fill counts once "
+          "per rank", verdicts=(DIFF,)),
+    Entry("triangle-keeps-batch-dims", ("torch.tril", "torch.triu", "tril", "triu", "aten.tril", "aten.triu"), "tril/triu "
+          "mask the last two dims by position: a sharded leading dim or a Partial value is masked where it is "
+          "(rules.triangle); DTensor's strategy replicates the input", verdicts=(ACC_REDIST,)),
     Entry("fresh-tensors-replicate", ("new_zeros", "new_ones"), "x.new_zeros(sizes) of a sharded x: fxshard builds the "
           "single-device tensor, Replicate (rules.fresh_like), where DTensor shards it like x; both exact", verdicts=(DIFF,)),
     # fxshard refuses where DTensor runs without redistributing ("gaps": a missed layout, never wrong numbers)

@@ -13,7 +13,8 @@ TP2 = MeshSpec(("tp",), (2,))
 
 
 class Leaves(nn.Module):
-    """One of every leaf normalize knows, plus one it does not (Softplus)."""
+    """One of every leaf normalize knows, a parameter-free one it inlines (Softplus),
+    and one it does not know (PReLU, which owns a parameter)."""
 
     def __init__(self):
         super().__init__()
@@ -25,11 +26,12 @@ class Leaves(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.fc2 = nn.Linear(12, 8, bias=False)
         self.relu = nn.ReLU()
-        self.other = nn.Softplus()
+        self.soft = nn.Softplus(beta=2.0)
+        self.other = nn.PReLU()
 
     def forward(self, ids):
         h = self.rms(self.ln(self.emb(ids)))
-        return self.other(self.relu(self.fc2(self.drop(self.act(self.fc1(h))))))
+        return self.other(self.soft(self.relu(self.fc2(self.drop(self.act(self.fc1(h)))))))
 
 
 IDS = torch.tensor([[0, 1, 5, 15], [3, 1, 2, 9]])
@@ -50,8 +52,10 @@ def test_leaves_become_functional_calls(after_pass):
     mods = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     assert mods == ["other"], "only the unknown leaf stays a call_module"
     fns = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    for fn in (F.embedding, F.layer_norm, F.rms_norm, F.linear, F.gelu, F.dropout, F.relu):
+    for fn in (F.embedding, F.layer_norm, F.rms_norm, F.linear, F.gelu, F.dropout, F.relu, F.softplus):
         assert fn in fns, fn
+    soft = next(n for n in gm.graph.nodes if n.target is F.softplus)  # inlined, its attributes as constants
+    assert soft.kwargs.get("beta", soft.args[1] if len(soft.args) > 1 else None) == 2.0
     # every parameter use is a get_attr edge into the functional call
     lin = [n for n in gm.graph.nodes if n.target is F.linear]
     assert [(a.op, a.target) for a in lin[0].args[1:]] == [("get_attr", "fc1.weight"), ("get_attr", "fc1.bias")]

@@ -34,7 +34,7 @@ from .cp_ops import context_parallel_mask, gather_sequence, local_positions, rin
 from .state import full_state_dict, load_full_state_dict
 from .materialize import materialize
 from .hf_checkpoint import load_hf_checkpoint
-from .checkpoint import load, save
+from .checkpoint import latest_checkpoint, load, save
 from .grad_norm import clip_grad_norm_, grad_norm
 from .batch import shard_inputs
 from .accumulate import no_sync
@@ -42,7 +42,7 @@ from .accumulate import no_sync
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
-    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "materialize", "load_hf_checkpoint", "save", "load", "bind_mesh", "bound_mesh", "reduce_over",
+    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",

@@ -19,7 +19,9 @@ FQN), so a checkpoint is readable with DCP's own tools.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -177,24 +179,140 @@ def _single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+COMMIT_FILE = "fxshard_commit.json"  # written last: a checkpoint without it is not one
+_STAGING, _REPLACED = ".partial", ".replaced"
+
+
 def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
-         show_progress: bool | None = None) -> None:
+         state: dict | None = None, keep_last: int | None = None, show_progress: bool | None = None) -> None:
     """Save ``module``'s shards (and ``optimizer``'s state) as a DCP checkpoint in
-    ``path``.  A collective: every rank of the mesh calls it."""
+    ``path``.  A collective: every rank of the mesh calls it.
+
+    ``state``: anything else the run needs to resume (step, LR scheduler, RNG states, data
+    position), each rank's own, returned by :func:`load`.  The checkpoint is written into
+    ``path + ".partial"`` and made visible as ``path`` in one rename once every rank has
+    written its part, so a rank killed mid-save leaves no ``path`` behind and
+    :func:`latest_checkpoint` returns the last one committed.  ``keep_last=k``: the ``k``
+    newest committed checkpoints beside ``path`` are kept, older ones deleted.
+
+    Example::
+
+        fxshard.save(sharded, f"ckpt/step{step}", optimizer=opt, keep_last=2,
+                     state={"step": step, "sched": sched.state_dict(), "rng": torch.get_rng_state()})
+    """
+    path = os.fspath(path)
+    staging = path + _STAGING
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a save killed earlier left
+        os.makedirs(staging)
+    _barrier()
+    if state is not None:
+        torch.save(state, os.path.join(staging, f"state.{rank}.pt"))
     sd = _state_dict(module, optimizer)
-    bar = progress(None, f"saving to {os.fspath(path)}", show_progress, unit="piece")
+    bar = progress(None, f"saving to {path}", show_progress, unit="piece")
     try:
-        dcp.save(sd, checkpoint_id=os.fspath(path), planner=_SavePlanner(bar), no_dist=_single_process())
+        # returns once the coordinator has written the metadata, i.e. after every rank's data
+        dcp.save(sd, checkpoint_id=staging, planner=_SavePlanner(bar), no_dist=_single_process())
     finally:
         bar.close()
+    _barrier()  # every rank's state file too
+    if rank == 0:
+        _commit(staging, path)
+        if keep_last is not None:
+            _keep_last(os.path.dirname(os.path.abspath(path)), keep_last)
+    _barrier()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest checkpoint that :func:`save` committed in the folder ``root`` (``None``
+    if there is none); partial ones (a save that did not finish on every rank) are skipped.
+
+    Example: ``path = fxshard.latest_checkpoint("ckpt"); state = fxshard.load(sharded, path, opt) if path else None``
+    """
+    found = _committed(os.fspath(root))
+    return found[-1][1] if found else None
+
+
+def _commit(staging: str, path: str) -> None:
+    root = os.path.dirname(os.path.abspath(path))
+    seq = max((s for s, _ in _committed(root)), default=0) + 1
+    with open(os.path.join(staging, COMMIT_FILE), "w") as f:
+        json.dump({"seq": seq, "world_size": _world_size()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):  # saved again under the same name: the old one goes only once the new one is there
+        os.rename(path, path + _REPLACED)
+    os.rename(staging, path)
+    shutil.rmtree(path + _REPLACED, ignore_errors=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself is durable
+    finally:
+        os.close(fd)
+
+
+def _committed(root: str) -> list[tuple[int, str]]:
+    """``[(seq, path)]`` of the committed checkpoints in ``root``, oldest first."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        marker = os.path.join(root, name, COMMIT_FILE)
+        if name.endswith((_STAGING, _REPLACED)) or not os.path.isfile(marker):
+            continue
+        try:
+            with open(marker) as f:
+                out.append((int(json.load(f)["seq"]), os.path.join(root, name)))
+        except (ValueError, KeyError, OSError):
+            continue
+    return sorted(out)
+
+
+def _keep_last(root: str, k: int) -> None:
+    if k < 1:
+        raise PlanError(f"fxshard.save(keep_last={k}): keep at least the checkpoint just written (keep_last >= 1)")
+    for _, old in _committed(root)[:-k]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return 0 if _single_process() else dist.get_rank()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return 1 if _single_process() else dist.get_world_size()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if not _single_process():
+        dist.barrier()
 
 
 def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
-         show_progress: bool | None = None) -> None:
+         show_progress: bool | None = None) -> dict | None:
     """Load a checkpoint written by :func:`save` at any mesh into ``module``'s shards
-    (in place) and ``optimizer``'s state.  A collective on a transformed module; on a
-    plain single-device module it needs no process group."""
-    reader = dcp.FileSystemReader(os.fspath(path))
+    (in place) and ``optimizer``'s state; returns the ``state`` saved with it (this
+    rank's, or rank 0's when the checkpoint was written by fewer ranks), or ``None``.  A
+    collective on a transformed module; on a plain single-device module it needs no
+    process group.
+
+    Example: ``state = fxshard.load(sharded, fxshard.latest_checkpoint("ckpt"), optimizer=opt)``
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, COMMIT_FILE)):
+        partial = os.path.isdir(path + _STAGING) or os.path.isdir(path)
+        raise PlanError(f"fxshard.load: {path} is not a committed checkpoint"
+                        f"{' (its save did not finish on every rank)' if partial else ' (no such folder)'}: it has no "
+                        f"{COMMIT_FILE}\n  fix: load fxshard.latest_checkpoint({os.path.dirname(path) or '.'!r}), the newest "
+                        f"checkpoint every rank finished")
+    reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     views, names = _views(module)
     on_meta = [k for k, v in views.items() if v.local.is_meta]
@@ -219,6 +337,10 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
         bar.close()
     if optimizer is not None:
         _restore_optimizer(optimizer, names, sd)
+    for name in (f"state.{_rank()}.pt", "state.0.pt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return torch.load(os.path.join(path, name), weights_only=False)  # the run's own objects (schedulers, RNG)
+    return None
 
 
 def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:

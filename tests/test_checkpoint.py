@@ -164,6 +164,14 @@ def _fsdp_round_trip(rank, world_size, root):
     for k, v in fxshard.full_state_dict(resumed).items():
         assert torch.equal(v, uninterrupted[k]), f"FSDP2 AdamW resume: {k}"
 
+    # the dp x tp FSDP2 save resumed at tp=4 (the whole batch on every rank: the mean of the halves' means)
+    tp4 = fxshard.transform(_model(), Plan(make_mesh({"tp": 4}), llama_plan("tp", fused=True, args=ARGS)), (IDS,))
+    opt4 = _opt(tp4)
+    fxshard.load(tp4, os.path.join(root, "fsdp_adamw"), optimizer=opt4)
+    _steps(tp4, opt4, 2)
+    for k, v in fxshard.full_state_dict(tp4).items():
+        torch.testing.assert_close(v, uninterrupted[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"FSDP2 save -> tp=4: {k}: {m}")
+
 
 def test_fsdp_shards_save_and_load(tmp_path):
     spawn(_fsdp_round_trip, 4, str(tmp_path))
@@ -221,3 +229,29 @@ def test_shard_view_boxes_cover_fused_parts():
     assert sorted(tuple(o) for o in view.boxes) == [(4, 0), (10, 0), (14, 0)]
     assert [tuple(c.sizes) for c in view.__create_chunk_list__()] == [(4, 4), (2, 4), (2, 4)]
     assert _runs_of_view(view) == runs
+
+
+def test_commit_latest_keep_last_and_state(tmp_path):
+    """A save is visible only once committed; a partial one (a rank killed mid-save) is
+    skipped by latest_checkpoint and refused by load, naming it; keep_last prunes; the
+    state comes back."""
+    model = _model()
+    opt = _opt(model)
+    _steps(model, opt, 1)
+    rng = torch.get_rng_state()
+    for step in (1, 2, 3):
+        fxshard.save(model, tmp_path / f"step{step}", optimizer=opt, state={"step": step, "rng": rng}, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step2", "step3"]
+    assert fxshard.latest_checkpoint(tmp_path) == str(tmp_path / "step3")
+    # what a save killed before its commit leaves: the staging folder with data but no marker
+    fxshard.save(model, tmp_path / "step4", optimizer=opt)
+    os.rename(tmp_path / "step4", tmp_path / "step4.partial")
+    os.remove(tmp_path / "step4.partial" / "fxshard_commit.json")
+    assert fxshard.latest_checkpoint(tmp_path) == str(tmp_path / "step3")
+    with pytest.raises(fxshard.PlanError, match="(?s)step4 is not a committed checkpoint.*did not finish on every rank.*latest_checkpoint"):
+        fxshard.load(model, tmp_path / "step4")
+    again = _model()
+    state = fxshard.load(again, fxshard.latest_checkpoint(tmp_path), optimizer=_opt(again))
+    assert state["step"] == 3 and torch.equal(state["rng"], rng)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+    assert fxshard.latest_checkpoint(tmp_path / "nowhere") is None

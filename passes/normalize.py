@@ -170,6 +170,8 @@ def _inline_pure_leaf(graph: fx.Graph, node: fx.Node, mod: nn.Module, spec) -> b
             if n.op in ("placeholder", "output"):
                 continue
             new = graph.node_copy(n, lambda a: env[a])
+            if "_stacklevel" in new.kwargs:  # where F.softmax's deprecation warning points: noise in the code
+                new.kwargs = {k: v for k, v in new.kwargs.items() if k != "_stacklevel"}
             new.meta = {k: v for k, v in n.meta.items() if k == "val"}
             new.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
             env[n] = new

@@ -200,6 +200,8 @@ def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
         fxshard.save(sharded, f"ckpt/step{step}", optimizer=opt, keep_last=2,
                      state={"step": step, "sched": sched.state_dict(), "rng": torch.get_rng_state()})
     """
+    if keep_last is not None and keep_last < 1:
+        raise PlanError(f"fxshard.save(keep_last={keep_last}): keep at least the checkpoint just written (keep_last >= 1)")
     path = os.fspath(path)
     staging = path + _STAGING
     rank = _rank()
@@ -270,8 +272,6 @@ def _committed(root: str) -> list[tuple[int, str]]:
 
 
 def _keep_last(root: str, k: int) -> None:
-    if k < 1:
-        raise PlanError(f"fxshard.save(keep_last={k}): keep at least the checkpoint just written (keep_last >= 1)")
     for _, old in _committed(root)[:-k]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -3,9 +3,11 @@ same on every rank and equal to torch's on one device, over a training loop with
 clipping (SGD, 3 steps, ``max_norm`` small enough that every step clips), on the meshes
 fxshard makes: tp with an uneven vocabulary, FSDP2 over dp x tp, experts under ep, KV
 heads shared by 2 ranks at tp=4; 2-norm and inf-norm.  Torch's own ``clip_grad_norm_`` on
-a sharded module's parameters raises a PlanError."""
+a sharded module's parameters raises a PlanError.  Under ep and with shared KV heads, an AdamW
+state saved and loaded resumes bit for bit."""
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -63,15 +65,32 @@ def _one_device(model, batches, norm_type=2.0):
     return torch.stack(norms), model
 
 
-def _sharded_run(sharded, ids, labels, norm_type=2.0, clip=None):
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+def _sharded_run(sharded, ids, labels, norm_type=2.0, clip=None, opt=None, steps=STEPS):
+    opt = opt or torch.optim.SGD(sharded.parameters(), lr=LR)
     norms = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad()
         sharded(input_ids=ids, labels=labels).loss.backward()
         norms.append((clip or fxshard.clip_grad_norm_)(sharded, MAX_NORM, norm_type))
         opt.step()
     return torch.stack(norms)
+
+
+def _resumes_bit_for_bit(make_sharded, ids, labels, path):
+    """AdamW state saved after a clipped step and loaded into a fresh transform: the next
+    step is bit for bit the uninterrupted one (optimizer states laid out as their parameters)."""
+    first = make_sharded()
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-3)
+    _sharded_run(first, ids, labels, opt=opt, steps=1)
+    fxshard.save(first, path, optimizer=opt)
+    _sharded_run(first, ids, labels, opt=opt, steps=1)
+    again = make_sharded()
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-3)
+    fxshard.load(again, path, optimizer=opt2)
+    _sharded_run(again, ids, labels, opt=opt2, steps=1)
+    want = fxshard.full_state_dict(first)
+    for name, t in fxshard.full_state_dict(again).items():
+        assert torch.equal(t, want[name]), f"resumed from {path}: {name}"
 
 
 def _assert_same(got_norms, want_norms, sharded, want_state, what):
@@ -81,7 +100,7 @@ def _assert_same(got_norms, want_norms, sharded, want_state, what):
         torch.testing.assert_close(full[name], t, **TOL, msg=lambda m: f"{what}: {name} after {STEPS} clipped steps: {m}")
 
 
-def _two_ranks(rank: int, world_size: int) -> None:
+def _two_ranks(rank: int, world_size: int, root: str) -> None:
     ids, labels = _batch(129)
     # HF Llama at tp=2 with HF's plan; vocab 129 on 2 ranks is cut 65 / 64; 2-norm, then inf-norm
     mesh = make_mesh({"tp": 2})
@@ -113,9 +132,12 @@ def _two_ranks(rank: int, world_size: int) -> None:
     sharded = fxshard.transform(model, fxshard.Plan.from_hf(ep, model), example_kwargs={"input_ids": ids, "labels": labels})
     got = _sharded_run(sharded, ids, labels)
     _assert_same(got, want_norms, sharded, trained.state_dict(), "mixtral ep=2")
+    plan = fxshard.Plan.from_hf(ep, model)
+    _resumes_bit_for_bit(lambda: fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels}),
+                         ids, labels, os.path.join(root, "mixtral_ep2"))
 
 
-def _four_ranks(rank: int, world_size: int) -> None:
+def _four_ranks(rank: int, world_size: int, root: str) -> None:
     # FSDP2 over dp, HF's plan over tp: each dp rank its half of the batch (FSDP2 averages over dp)
     mesh = make_mesh({"dp": 2, "tp": 2})
     dp = mesh.get_local_rank("dp")
@@ -146,14 +168,16 @@ def _four_ranks(rank: int, world_size: int) -> None:
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels})
     got = _sharded_run(sharded, ids, labels)
     _assert_same(got, want_norms, sharded, trained.state_dict(), "qwen2 tp=4, 2 KV heads")
+    _resumes_bit_for_bit(lambda: fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": labels}),
+                         ids, labels, os.path.join(root, "qwen2_tp4"))
 
 
-def test_clip_grad_norm_real_gloo_two_ranks():
-    spawn(_two_ranks, 2)
+def test_clip_grad_norm_real_gloo_two_ranks(tmp_path):
+    spawn(_two_ranks, 2, str(tmp_path))
 
 
-def test_clip_grad_norm_real_gloo_four_ranks():
-    spawn(_four_ranks, 4)
+def test_clip_grad_norm_real_gloo_four_ranks(tmp_path):
+    spawn(_four_ranks, 4, str(tmp_path))
 
 
 def test_grad_norm_simulated_sequence_parallel():

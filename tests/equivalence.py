@@ -32,6 +32,15 @@ Ranks sit on the mesh in row-major order (``init_device_mesh``): rank ``r`` of a
 ``{"dp": 2, "tp": 2}`` mesh has coordinate ``{"dp": r // 2, "tp": r % 2}``.  A
 tensor with a layout is sliced mesh axis by mesh axis, outer axes first, exactly as
 ``DTensor`` does; :func:`slice_for` does that independently of fxshard.
+
+Inputs are bound by name, never by identity
+-------------------------------------------
+The transform never sees the tensors the program then runs with: it gets copies in
+which inputs of one shape and dtype are the *same tensor object*
+(:func:`aliased_examples`, as in ``example_kwargs={"input_ids": ids, "labels": ids}``),
+and the run inputs must be distinct tensors with distinct values, HF ``labels`` with
+-100 padding (:func:`check_run_inputs`).  A capture that keeps one placeholder for two
+arguments computes from the wrong one at run time, and the comparison sees it.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ except ImportError:  # tests/ imported as a package
 __all__ = [
     "Case", "Reference", "reference", "check_simulated", "check_real", "check_real_cases",
     "weighted_sum", "cross_entropy", "slice_for", "coords_of", "sliced_objective", "output_layout", "sgd_step",
+    "aliased_examples", "example_inputs_for", "check_run_inputs",
 ]
 
 ATOL = 1e-5
@@ -288,6 +298,9 @@ class Case:
     loss_fn(out, *targets): per-rank loss (default :func:`weighted_sum` with random weights).
     example_inputs:        inputs to transform with, if different from ``inputs``
                            (checks that the graph runs at other batch/sequence sizes).
+                           Either way the transform sees new tensors, those of one shape
+                           and dtype aliased as one object (:func:`aliased_examples`),
+                           while the run inputs stay distinct (:func:`check_run_inputs`).
     post(sharded, mesh, rank, world_size): extra check run on real ranks after the
                            equivalence check (top-level function).
     kwargs:                keyword inputs (HF: ``{"input_ids": ids, "labels": labels}``),
@@ -438,11 +451,68 @@ def _check_outputs_move(case: Case, ref: Reference) -> None:
             f"{case.name}: {case.steps} SGD steps at lr={case.lr} do not change the output; raise lr"
 
 
+def aliased_examples(inputs: Sequence[Any], kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of ``inputs`` and ``kwargs`` to transform with, where tensors of the same
+    shape, dtype and device are *one tensor object* (aliased on purpose).
+
+    The run inputs stay distinct tensors with other values, so a capture that binds an
+    input by tensor identity instead of by argument name (the README's
+    ``example_kwargs={"input_ids": ids, "labels": ids}``) computes from the wrong input
+    at run time and the comparison fails.  Each group takes the values of its first
+    tensor with no negative entry (ids rather than labels holding -100), so the
+    example stays a valid input.
+
+    Example::
+
+        ex, ex_kw = aliased_examples((), {"input_ids": ids, "labels": labels})
+        assert ex_kw["labels"] is ex_kw["input_ids"] and ex_kw["input_ids"] is not ids
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    tensors = [x for x in (*inputs, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    for x in tensors:
+        groups.setdefault((tuple(x.shape), x.dtype, x.device), []).append(x)
+    shared = {}
+    for key, members in groups.items():
+        valid = [x for x in members if x.is_floating_point() or x.dtype == torch.bool or x.numel() == 0 or int(x.min()) >= 0]
+        shared[key] = (valid or members)[0].detach().clone()
+
+    def example(x):
+        return shared[(tuple(x.shape), x.dtype, x.device)] if isinstance(x, torch.Tensor) else x
+
+    return tuple(example(x) for x in inputs), {k: example(v) for k, v in kwargs.items()}
+
+
+def example_inputs_for(case: Case) -> tuple[tuple, dict]:
+    """What ``case`` is transformed with: its ``example_inputs`` / ``example_kwargs``
+    (else its run inputs), as :func:`aliased_examples` (new tensors, same-shaped ones
+    aliased), so no example tensor is a run tensor."""
+    pos = case.example_inputs if case.example_inputs is not None else case.inputs
+    kw = case.example_kwargs if case.example_kwargs is not None else case.kwargs
+    return aliased_examples(tuple(pos), dict(kw or {}))
+
+
+def check_run_inputs(case: Case) -> None:
+    """The run inputs must let the oracle see an input bound by identity: no two share
+    storage or equal values at the same shape and dtype, and HF ``labels`` differ from
+    ``input_ids`` and carry -100 padding (what a real batch has: the prompt masked)."""
+    named = [(f"input {i}", x) for i, x in enumerate(case.inputs)] + list(case.kwargs.items())
+    named = [(n, x) for n, x in named if isinstance(x, torch.Tensor)]
+    for (a, x), (b, y) in itertools.combinations(named, 2):
+        assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr(), \
+            f"{case.name}: run inputs {a} and {b} share storage; pass distinct tensors"
+        if x.shape == y.shape and x.dtype == y.dtype:
+            assert not torch.equal(x, y), f"{case.name}: run inputs {a} and {b} are equal; give them different values"
+    labels = case.kwargs.get("labels")
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+        assert (labels == -100).any(), f"{case.name}: labels carry no -100 padding (fxshard.testing.hf_tiny.tiny_inputs has it)"
+
+
 def _equivalence(case: Case, mesh, model, loss_fn, targets, ranks: list[int], coord_of_rank: Callable[[int], dict]):
     """Transform, train on the sharded graph and compare ``ranks`` (runs under a mesh)."""
     plan = case.plan_factory(mesh)
-    example = case.example_inputs if case.example_inputs is not None else case.inputs
-    example_kw = case.example_kwargs if case.example_kwargs is not None else case.kwargs
+    with plain():
+        check_run_inputs(case)
+        example, example_kw = example_inputs_for(case)
     sharded = fxshard.transform(model, plan, example_inputs=example, example_kwargs=example_kw or None)
     out_layout = output_layout(sharded, case.select)
     in_layouts = input_layouts(sharded, plan)

@@ -64,7 +64,7 @@ def test_gpt2_blocks_as_hand_written_and_no_more_communication():
 def test_llama_sequence_parallel_blocks_and_norms_as_hand_written():
     model, ids = models.llama(), models.tokens(2, 8, 128)
     hand = models.llama_plan(sequence_parallel=True)
-    plan = check_simulated(models.llama, lambda mesh: fxshard.auto_plan(model, mesh, (ids,), vocab=False, sequence_parallel=True),
+    plan = check_simulated(models.llama, lambda mesh: fxshard.auto_plan(model, mesh, (ids.clone(),), vocab=False, sequence_parallel=True),
                            (ids,), {"tp": 2})
     auto = fxshard.auto_plan(model, MESH, (ids,), vocab=False, sequence_parallel=True)
     for pattern in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm", "layers.*.attention.wo", "layers.*.feed_forward.w2"):
@@ -87,8 +87,11 @@ def _hf(family):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(3, V, (2, 8), generator=g), "labels": torch.randint(3, V, (2, 8), generator=g)}
+    """Ids and labels: distinct tensors, labels with -100 padding (tiny_inputs)."""
+    from fxshard.testing.hf_tiny import tiny_inputs
+
+    ids, labels = tiny_inputs(2, 8, V, seed=0)
+    return {"input_ids": ids, "labels": labels}
 
 
 def logits(out):

@@ -102,7 +102,7 @@ def _check_llama(rank: int, world_size: int) -> None:
 
     # fxshard TP + FSDP2
     plan = Plan(mesh, llama_plan("tp", sequence_parallel=True), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
-    sharded = fxshard.transform(model, plan, example_inputs=(ids,))
+    sharded = fxshard.transform(model, plan, example_inputs=(ids.clone(),))  # runs on ids[mine]: other tensors
     assert [n for n in sharded.meta["fxshard_fsdp_units"]] == ["layers.0", "layers.1"]
     assert isinstance(sharded.layers[0], torch.fx.GraphModule) and "self.layers" in sharded.code
     with pytest.raises(PlanError, match="fully_shard"):
@@ -158,12 +158,13 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     reference = copy.deepcopy(model)
-    ids, _ = _data()
+    ids, labels = _data()
+    labels[:, :2] = -100  # the prompt masked: as many scored tokens in every row (so on every dp rank)
     mine = slice(dp * B // 2, (dp + 1) * B // 2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     want = []
     for _ in range(STEPS):
-        loss = reference(input_ids=ids, labels=ids).loss
+        loss = reference(input_ids=ids, labels=labels).loss
         ref_opt.zero_grad()
         loss.backward()
         ref_opt.step()
@@ -171,11 +172,12 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
 
     batch = {"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}}
     plan = Plan.from_hf(mesh, model).replace(inputs=batch, fsdp="dp")
-    sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": ids, "labels": ids})
+    example = ids.clone()  # one tensor under both names, as the README writes it; the run passes distinct ones
+    sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": example, "labels": example})
     assert sharded.meta["fxshard_fsdp_units"] == ["model.layers.0", "model.layers.1"]
     fxshard.fully_shard(sharded, mesh)
     got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
-                          loss_of=lambda m: m(input_ids=ids[mine], labels=ids[mine]).loss)
+                          loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
     # each rank's mean over its tokens (HF's in-graph loss); equal counts per rank, so the mean of
     # the means is the global mean
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
@@ -191,7 +193,7 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
     titan = parallelize_module(copy.deepcopy(model), mesh["tp"], torch_hf_llama_plan())
     _fsdp2_by_hand(titan, mesh, titan.model.layers)
     theirs, _ = _train_local(titan, None, None, mesh.get_group("dp"),
-                             loss_of=lambda m: m(input_ids=ids[mine], labels=ids[mine]).loss)
+                             loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
     torch.testing.assert_close(torch.stack(got), torch.stack(theirs), rtol=1e-4, atol=1e-5)
     for name, p in titan.state_dict().items():
         t = p.full_tensor() if isinstance(p, DTensor) else p
@@ -207,7 +209,7 @@ def _check_mixed_precision(rank: int, world_size: int) -> None:
 
     mesh, ids, targets, mine, model, reference, want = _setup(steps=1)
     plan = Plan(mesh, llama_plan("tp", sequence_parallel=True), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
-    sharded = fxshard.transform(model, plan, example_inputs=(ids,))
+    sharded = fxshard.transform(model, plan, example_inputs=(ids.clone(),))
     fxshard.fully_shard(sharded, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     got, _ = _train_local(sharded, ids[mine], targets[mine], mesh.get_group("dp"), steps=1)
     torch.testing.assert_close(got[0].float(), want[0], rtol=2e-2, atol=2e-2)  # bf16 compute
@@ -221,7 +223,7 @@ def _check_mixed_precision(rank: int, world_size: int) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     plain = fxshard.transform(model, Plan(mesh, llama_plan("tp", sequence_parallel=True), inputs={"tokens": {"dp": Shard(0)}},
-                                          fsdp="dp"), example_inputs=(ids,))
+                                          fsdp="dp"), example_inputs=(ids.clone(),))
     fxshard.fully_shard(plain, mesh)
     eager = plain(ids[mine])
     counter = CompileCounterWithBackend("aot_eager")

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
+from fxshard.testing.hf_tiny import tiny_inputs
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -48,8 +49,9 @@ def model_loss(out):
 
 
 def _batch(b=2, s=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(3, V, (b, s), generator=g), "labels": torch.randint(3, V, (b, s), generator=g)}
+    """Ids and labels: distinct tensors, labels with -100 on the prompt and at random (tiny_inputs)."""
+    ids, labels = tiny_inputs(b, s, V, seed=seed)
+    return {"input_ids": ids, "labels": labels}
 
 
 BATCH = _batch()
@@ -142,8 +144,7 @@ def test_hf_batch_sharded_over_dp_with_tp(family):
     """dp x tp with the batch sharded on dp: HF's mask builder reads ``arange(batch)`` of the
     rank's own rows (Shard(0) plus the rank's offset) and indexes with it; GPT-2's fused
     c_attn keeps its parts through the [B*S, 3H] -> [B, S, 3H] view of a dp-sharded batch."""
-    g = torch.Generator().manual_seed(3)
-    ids, tgt = torch.randint(3, V, (4, 8), generator=g), torch.randint(3, V, (4, 8), generator=g)
+    ids, tgt = tiny_inputs(4, 8, V, seed=3)  # targets with -100 padding: F.cross_entropy skips them
     sharded = check_simulated(functools.partial(hf_model, family), functools.partial(_dp_tp_plan, family=family), (),
                               {"dp": 2, "tp": 2}, kwargs={"input_ids": ids}, select=logits, loss_fn=cross_entropy,
                               targets=(tgt,), lr=0.2)

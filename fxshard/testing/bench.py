@@ -304,7 +304,7 @@ def _build_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.M
     group_name = mesh.get_group("tp").group_name
     contenders = {
         "megatron": MegatronLlama(model, mesh.get_local_rank("tp"), tp, group_name),
-        "fxshard": fxshard.transform(model, plan, example_inputs=(ids,)),
+        "fxshard": fxshard.transform(model, plan, example_inputs=(ids.clone(),)),
         "dtensor": localize_llama_heads(parallelize_module(copy.deepcopy(model), mesh, plan_dict), tp),
     }
     targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
@@ -439,11 +439,13 @@ def _build_hf_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, n
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = hf_llama(size, seed=0).to(device)
-    batch = {"input_ids": tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device),
-             "labels": tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)}
+    labels = tokens(size.batch, size.seqlen, size.vocab_size, seed=2)
+    labels[:, :max(1, size.seqlen // 4)] = -100  # the prompt masked, as in a real batch
+    batch = {"input_ids": tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device), "labels": labels.to(device)}
+    example = {name: t.clone() for name, t in batch.items()}  # transformed on other tensors than it runs on
     contenders = {
         "hf_tp": hf_tp_model(model, mesh),
-        "fxshard": fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs=batch).train(),
+        "fxshard": fxshard.transform(model, fxshard.Plan.from_hf(mesh, model), example_kwargs=example).train(),
         "dtensor": parallelize_module(copy.deepcopy(model), mesh, torch_hf_llama_plan()),
         "single": copy.deepcopy(model),  # every rank computes the whole model: the time of one device
     }
@@ -482,7 +484,7 @@ def _build_fsdp_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str,
     ids = tokens(size.batch, size.seqlen, size.vocab_size, seed=1).to(device)
     targets = tokens(size.batch, size.seqlen, size.vocab_size, seed=2).to(device)
     plan = fxshard.Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
-    ours = fxshard.fully_shard(fxshard.transform(model, plan, example_inputs=(ids,)), mesh)
+    ours = fxshard.fully_shard(fxshard.transform(model, plan, example_inputs=(ids.clone(),)), mesh)
     titan = localize_llama_heads(parallelize_module(copy.deepcopy(model), mesh["tp"], torch_llama_plan()), tp)
     for layer in titan.layers:
         fully_shard(layer, mesh=mesh["dp"])

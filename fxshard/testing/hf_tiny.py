@@ -6,12 +6,12 @@ and have a ``*ForCausalLM`` class; :func:`tiny_config` builds a tiny config for 
 them generically; :func:`tiny_model` builds the model from it, in float32, with a fixed
 seed::
 
-    from fxshard.testing.hf_tiny import decoder_families, tiny_model
+    from fxshard.testing.hf_tiny import decoder_families, tiny_inputs, tiny_model
 
     for family in decoder_families():           # ["afmoe", "apertus", ..., "llama", ...]
         model = tiny_model(family)              # AutoModelForCausalLM.from_config(tiny_config(family))
-        ids = torch.randint(0, 128, (2, 8))
-        out = model(input_ids=ids, labels=ids)  # out.logits [2, 8, 128], out.loss
+        ids, labels = tiny_inputs()             # labels: other tokens, -100 on the prompt
+        out = model(input_ids=ids, labels=labels)  # out.logits [2, 8, 128], out.loss
 
 The sizes (:data:`TINY`): hidden 64, 2 layers (up to 4 where layers differ, below), 4 heads, 2 kv heads, head_dim 16,
 intermediate 128, vocab 128, max positions 64; every dropout and jitter 0,
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 __all__ = ["TINY", "ALIASES", "FAMILY_OVERRIDES", "MAX_LAYERS", "TinyBuildError", "decoder_families", "tiny_config",
-           "tiny_model", "tiny_inputs", "build_report"]
+           "tiny_model", "tiny_inputs", "build_report", "IGNORE_INDEX"]
 
 VOCAB = 128
 MAX_LAYERS = 4
@@ -374,13 +374,31 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     return model.float().train()
 
 
-def tiny_inputs(batch: int = 2, seq: int = 8, vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)`` int64 ``[batch, seq]``, labels different from the ids
-    (ids avoid the special tokens 0..2)."""
+IGNORE_INDEX = -100  # the label HF's (and torch's) cross entropy skips
+
+
+def tiny_inputs(batch: int = 2, seq: int = 8, vocab: int = VOCAB, seed: int = 0, prompt: int | None = None,
+                masked: float = 0.25) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` int64 ``[batch, seq]``: distinct tensors, labels other
+    values than the ids (ids avoid the special tokens 0..2), padded with -100 as a real
+    batch is: the first ``prompt`` positions of every row (default ``seq // 4``, at least
+    1; HF shifts labels, so position 0 is never scored and position 1 is) and about
+    ``masked`` of the others at random.  Every row keeps its last label scored.
+
+    Example::
+
+        ids, labels = tiny_inputs()              # [2, 8]; labels[:, :2] == -100
+        out = model(input_ids=ids, labels=labels)
+        ids, labels = tiny_inputs(masked=0)      # the prompt only: as many scored tokens in every row
+    """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
     labels = torch.randint(3, vocab, (batch, seq), generator=g)
-    return ids, labels
+    prompt = max(1, seq // 4) if prompt is None else prompt
+    drop = torch.rand((batch, seq), generator=g) < masked
+    drop[:, :prompt] = True
+    drop[:, -1] = False
+    return ids, labels.masked_fill(drop, IGNORE_INDEX)
 
 
 def build_report(families: list[str] | None = None) -> dict[str, str]:

@@ -6,7 +6,8 @@ falsifying example hypothesis prints is a reproducer::
     from grammar import *                       # tests/fuzz on sys.path
     case = FuzzCase(model=ModelCfg(...), mesh=(("tp", 2),), entries=(...), ...)
     model = build_model(case.model)              # deterministic from case.model.seed
-    inputs = build_inputs(case.model)            # global (single-device) inputs
+    inputs = build_inputs(case.model)            # global (single-device) inputs the program runs on
+    example = build_example_inputs(case.model)   # other tensors to transform with (aliased: case.model.example)
     plan = build_plan(case, mesh)                # an fxshard.Plan on a DeviceMesh or MeshSpec
     print(plan_source(case))                     # the plan as fxshard code
 
@@ -25,7 +26,14 @@ flatten or ``view(B, S, -1)``) and MLPs (plain, SwiGLU, fused ``w13`` chunked, g
 (``nn.LayerNorm``, ``nn.RMSNorm``) or written out; a final norm; a linear, tied or
 functional-tied (``F.linear(h, embed.weight)``) head; a tail view (flatten, split the last
 dim, transpose) or an in-graph loss (cross entropy mean/sum, log_softmax + gather) on a
-second input.  Widths are drawn mostly divisible by the mesh, sometimes not.  Module names
+second input.  Widths are drawn mostly divisible by the mesh, sometimes not.  What third-party
+code does and a capture must take as it is: masks and rotary tables kept as plain tensor
+attributes (``self.mask = torch.tril(...)``, not buffers); trivial leaf modules on the path
+(``nn.Identity``, ``nn.Dropout(0.0)``, activation modules); head-sharded values used only
+for their shape (``torch.ones_like(scores[0, 0], dtype=torch.bool).tril()``,
+``q.new_zeros(q.shape)``, ``q.size(1)``); and example inputs aliased where the run's are
+distinct (:func:`build_example_inputs`: the ids passed as the targets too, or a view of
+them), so an input bound by identity instead of by name is a wrong number.  Module names
 follow Meta's Llama (``layers.0.attention.wq``, ``feed_forward.w1``, ``embed``, ``norm``,
 ``head``) so plan patterns look real.
 
@@ -63,7 +71,7 @@ from fxshard.testing.models import RMSNorm  # hand-written: x * rsqrt(mean(x^2) 
 
 __all__ = [
     "AttnCfg", "MlpCfg", "BlockCfg", "ModelCfg", "Entry", "FuzzCase",
-    "build_model", "build_inputs", "build_plan", "plan_source", "right_plan", "model_configs", "fuzz_cases",
+    "build_model", "build_inputs", "build_example_inputs", "build_plan", "plan_source", "right_plan", "model_configs", "fuzz_cases",
     "MESHES", "MUTATIONS", "REWRITES",
 ]
 
@@ -93,6 +101,9 @@ class AttnCfg:
     merge: str = "reshape"  # heads back: "reshape" (B, S, H*hd) | "flatten" flatten(2) | "view_infer" view(B, S, -1)
     bias: bool = False      # q/k/v (or wqkv) bias
     out_bias: bool = False  # wo bias
+    shape_use: str = "none"  # a head-sharded value used only for its shape: "ones_like_tril" (manual cores: the causal
+                            # mask is torch.ones_like(scores[0, 0], dtype=torch.bool).tril(), no buffer) | "new_zeros"
+                            # (q + q.new_zeros(q.shape)) | "size" (heads merged by reshape(B, S, q.size(1) * q.size(-1)))
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,13 @@ class ModelCfg:
     loss: str = "none"      # in-graph loss on the head's logits and a second input (targets): "none" | "ce" (mean) | "ce_sum"
                             # | "log_softmax" (-(log_softmax(logits).gather(targets)).mean())
     seed: int = 0
+    tables: str = "buffer"  # masks and rotary tables: "buffer" (register_buffer) | "attribute" (a plain tensor
+                            # attribute set in __init__, self.mask = torch.tril(...), as much third-party code has)
+    leaf: str = "none"      # trivial leaf modules on the path: "none" | "identity" (nn.Identity) | "dropout"
+                            # (nn.Dropout(0.0)): after the embedding, on attention probabilities, on the MLP hidden
+    example: str = "distinct"  # the example inputs the model is transformed with (the run always passes distinct
+                            # tensors of other values): "distinct" | "same" (one tensor under both names: targets is
+                            # the ids) | "view" (targets a view of the ids); the aliased ones need ids and targets
 
     @property
     def uses_ids(self) -> bool:
@@ -197,8 +215,24 @@ def rotate_half(x, half: int):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def store_table(module: nn.Module, name: str, table: torch.Tensor, tables: str) -> None:
+    """A mask or rotary table as a non-persistent buffer, or as a plain tensor attribute
+    (``tables="attribute"``: not in ``named_buffers``, not in the state dict)."""
+    if tables == "attribute":
+        setattr(module, name, table)
+    else:
+        module.register_buffer(name, table, persistent=False)
+
+
+def make_leaf(kind: str) -> nn.Module | None:
+    """A trivial leaf module (computes its input unchanged), or None for ``"none"``."""
+    if kind == "none":
+        return None
+    return {"identity": nn.Identity, "dropout": lambda: nn.Dropout(0.0)}[kind]()
+
+
 class Attention(nn.Module):
-    def __init__(self, dim: int, cfg: AttnCfg, max_seq: int):
+    def __init__(self, dim: int, cfg: AttnCfg, max_seq: int, tables: str = "buffer", leaf: str = "none"):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -213,15 +247,19 @@ class Attention(nn.Module):
         else:
             self.wqkv = nn.Linear(dim, self.q_size + 2 * self.kv_size, bias=cfg.bias)
         self.wo = nn.Linear(self.q_size, dim, bias=cfg.out_bias)
-        if cfg.core in ("manual", "einsum", "sdpa_mask"):
+        self.mask_from_shape = cfg.shape_use == "ones_like_tril" and cfg.core in ("manual", "einsum")
+        if cfg.core in ("manual", "einsum", "sdpa_mask") and not self.mask_from_shape:
             causal = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool))
             additive = cfg.mask == "additive" and cfg.core != "sdpa_mask"
             mask = torch.zeros(max_seq, max_seq).masked_fill(~causal, float("-inf")) if additive else causal
-            self.register_buffer("mask", mask, persistent=False)
+            store_table(self, "mask", mask, tables)
         if cfg.rope == "local":
             cos, sin = rope_tables(cfg.head_dim, max_seq)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
+            store_table(self, "cos", cos, tables)
+            store_table(self, "sin", sin, tables)
+        self.leaf = leaf != "none"
+        if self.leaf:
+            self.attn_drop = make_leaf(leaf)
 
     def _rope(self, x, cos, sin, S):
         if self.cfg.rope_view == "view":
@@ -262,6 +300,8 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
             q, k, v = q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        if cfg.shape_use == "new_zeros":
+            q = q + q.new_zeros(q.shape)  # a zeros tensor shaped like the (head-sharded) q
         if cfg.core == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif cfg.core == "sdpa_mask":
@@ -277,19 +317,28 @@ class Attention(nn.Module):
                 scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
             else:
                 scores = (q @ k.transpose(-2, -1)) * scale
-            if cfg.mask == "bool":
-                scores = scores.masked_fill(~self.mask[:S, :S], float("-inf"))
-            elif cfg.mask == "where":
-                scores = torch.where(self.mask[:S, :S], scores, float("-inf"))
+            if self.mask_from_shape:  # [S, S] of a head-sharded [B, H, S, S]: its shape only
+                causal = torch.ones_like(scores[0, 0], dtype=torch.bool).tril()
+                mask = causal if cfg.mask != "additive" else torch.zeros_like(scores[0, 0]).masked_fill(~causal, float("-inf"))
             else:
-                scores = scores + self.mask[:S, :S]
+                mask = self.mask[:S, :S]
+            if cfg.mask == "bool":
+                scores = scores.masked_fill(~mask, float("-inf"))
+            elif cfg.mask == "where":
+                scores = torch.where(mask, scores, float("-inf"))
+            else:
+                scores = scores + mask
             if cfg.softmax == "float":
                 probs = F.softmax(scores.float(), dim=-1).type_as(q)
             else:
                 probs = F.softmax(scores, dim=-1)
+            if self.leaf:
+                probs = self.attn_drop(probs)
             out = torch.einsum("bhqk,bhkd->bhqd", probs, v) if cfg.core == "einsum" else probs @ v
         out = out.transpose(1, 2) if cfg.heads == "transpose" else out.permute(0, 2, 1, 3)
-        if cfg.merge == "reshape":
+        if cfg.shape_use == "size":  # the local width from the head-sharded q's sizes
+            out = out.reshape(B, S, q.size(1) * q.size(-1))
+        elif cfg.merge == "reshape":
             out = out.reshape(B, S, self.q_size)
         elif cfg.merge == "flatten":
             out = out.flatten(2)
@@ -302,9 +351,10 @@ _ACTS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, cfg: MlpCfg):
+    def __init__(self, dim: int, cfg: MlpCfg, leaf: str = "none"):
         super().__init__()
         self.cfg = cfg
+        self.drop = make_leaf(leaf) or (lambda t: t)  # on the (feature-sharded) hidden, as HF's MLP dropout
         h = cfg.hidden
         if cfg.kind == "mlp":
             self.w1 = nn.Linear(dim, h, bias=cfg.bias)
@@ -323,9 +373,9 @@ class FeedForward(nn.Module):
     def forward(self, x):
         cfg = self.cfg
         if cfg.kind == "mlp":
-            return self.w2(self.act(self.w1(x)))
+            return self.w2(self.drop(self.act(self.w1(x))))
         if cfg.kind == "swiglu":
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
+            return self.w2(self.drop(self.act(self.w1(x)) * self.w3(x)))
         if cfg.kind == "fused":
             a, b = self.w13(x).chunk(2, dim=-1)
             return self.w2(self.act(a) * b)
@@ -338,16 +388,16 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, cfg: BlockCfg, max_seq: int):
+    def __init__(self, dim: int, cfg: BlockCfg, max_seq: int, tables: str = "buffer", leaf: str = "none"):
         super().__init__()
         self.has_attn, self.has_mlp = cfg.attn is not None, cfg.mlp is not None
         self.keyword = cfg.call == "keyword"
         if self.has_attn:
             self.attention_norm = make_norm(cfg.norm, dim)
-            self.attention = Attention(dim, cfg.attn, max_seq)
+            self.attention = Attention(dim, cfg.attn, max_seq, tables, leaf)
         if self.has_mlp:
             self.ffn_norm = make_norm(cfg.norm, dim)
-            self.feed_forward = FeedForward(dim, cfg.mlp)
+            self.feed_forward = FeedForward(dim, cfg.mlp, leaf)
 
     def forward(self, x, cos=None, sin=None):
         if self.has_attn:
@@ -370,13 +420,15 @@ class FuzzModel(nn.Module):
             self.embed = nn.Embedding(cfg.vocab, cfg.dim)
         if cfg.pos_embed:
             self.pos_embed = nn.Embedding(cfg.max_seq, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg.dim, b, cfg.max_seq) for b in cfg.layers)
+        self.layers = nn.ModuleList(Block(cfg.dim, b, cfg.max_seq, cfg.tables, cfg.leaf) for b in cfg.layers)
         shared = [b.attn for b in cfg.layers if b.attn is not None and b.attn.rope == "shared"]
         self.shared_rope = bool(shared)
         if shared:
             cos, sin = rope_tables(shared[0].head_dim, cfg.max_seq)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
+            store_table(self, "cos", cos, cfg.tables)
+            store_table(self, "sin", sin, cfg.tables)
+        if cfg.leaf != "none":
+            self.embed_drop = make_leaf(cfg.leaf)
         if cfg.final_norm is not None:
             self.norm = make_norm(cfg.final_norm, cfg.dim)
         if cfg.head in ("linear", "tied"):
@@ -392,6 +444,8 @@ class FuzzModel(nn.Module):
             h = h * self.embed_scale
         elif cfg.embed_scale == "traced":
             h = h * math.sqrt(h.size(-1))
+        if cfg.leaf != "none":
+            h = self.embed_drop(h)
         cos = sin = None
         if self.shared_rope or cfg.pos_embed:
             S = inp.size(1) if cfg.seq_from == "input" else h.size(1)
@@ -501,13 +555,36 @@ def build_model(cfg: ModelCfg) -> nn.Module:
 
 def build_inputs(cfg: ModelCfg, shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     """The global inputs: ids ``[B, S]`` or a float ``[B, S, dim]``, and class targets
-    ``[B, S]`` for an in-graph loss; ``shape`` = ``(B, S)`` other than the config's."""
+    ``[B, S]`` for an in-graph loss (-100 on some positions for cross entropy); ``shape`` =
+    ``(B, S)`` other than the config's."""
     B, S = shape or (cfg.batch, cfg.seq)
     g = torch.Generator().manual_seed(1000 + cfg.seed + 7 * B + S)
     if cfg.uses_ids:
         x = torch.randint(0, cfg.vocab, (B, S), generator=g)
     else:
         x = torch.randn(B, S, cfg.dim, generator=g)
+    if cfg.loss == "none":
+        return (x,)
+    targets = torch.randint(0, cfg.out_dim, (B, S), generator=g)
+    if cfg.loss in ("ce", "ce_sum"):  # cross entropy skips -100: the first position and about a quarter of the rest
+        skip = torch.rand((B, S), generator=g) < 0.25
+        skip[:, 0], skip[:, -1] = True, False
+        targets = targets.masked_fill(skip, -100)
+    return x, targets
+
+
+def build_example_inputs(cfg: ModelCfg) -> tuple[torch.Tensor, ...]:
+    """The inputs to transform with: new tensors, of other values than :func:`build_inputs`
+    (the run's), at the config's ``(B, S)``.  ``cfg.example == "same"`` passes one ids
+    tensor as both the ids and the targets, ``"view"`` the targets as a view of the ids
+    (values below both the vocabulary and the head's width); the run passes distinct
+    tensors, so a capture that binds inputs by identity computes from the wrong one."""
+    B, S = cfg.batch, cfg.seq
+    g = torch.Generator().manual_seed(5000 + cfg.seed + 7 * B + S)
+    if cfg.example != "distinct":
+        ids = torch.randint(0, min(cfg.vocab, cfg.out_dim), (B, S), generator=g)
+        return ids, (ids if cfg.example == "same" else ids.view(B, S))
+    x = torch.randint(0, cfg.vocab, (B, S), generator=g) if cfg.uses_ids else torch.randn(B, S, cfg.dim, generator=g)
     if cfg.loss == "none":
         return (x,)
     return x, torch.randint(0, cfg.out_dim, (B, S), generator=g)
@@ -756,7 +833,8 @@ def attn_configs(draw, n: int = 1):
         rope=draw(st.sampled_from(("none", "shared", "local"))),
         rope_view=draw(st.sampled_from(("view", "index"))),
         merge=draw(st.sampled_from(("reshape", "flatten", "view_infer"))),
-        bias=draw(st.booleans()), out_bias=draw(st.booleans()))
+        bias=draw(st.booleans()), out_bias=draw(st.booleans()),
+        shape_use=draw(st.sampled_from(("none", "none", "none", "ones_like_tril", "new_zeros", "size"))))
 
 
 @st.composite
@@ -817,7 +895,10 @@ def model_configs(draw, n: int = 1, dp: int = 1):
         layers=layers, final_norm=draw(st.sampled_from((None,) + _NORMS)), head=head, head_out=head_out,
         head_bias=draw(st.booleans()) if head == "linear" else False,
         seq_from=draw(st.sampled_from(("input", "input", "hidden"))), tail=tail,
-        pos_embed=draw(st.sampled_from((False, False, True))), loss=loss, seed=draw(st.integers(0, 3)))
+        pos_embed=draw(st.sampled_from((False, False, True))), loss=loss, seed=draw(st.integers(0, 3)),
+        tables=draw(st.sampled_from(("buffer", "buffer", "attribute"))),
+        leaf=draw(st.sampled_from(("none", "none", "identity", "dropout"))),
+        example=draw(st.sampled_from(("distinct", "same", "same", "view"))) if uses_ids and loss != "none" else "distinct")
 
 
 # ============================================================================ right plans
@@ -1362,6 +1443,8 @@ def fuzz_cases(draw, models=None):
     if len(mesh) == 1 and all(e.torch_style("tp") is not None for e in case.entries) and draw(st.integers(0, 2)) == 0:
         case.frontend = "torch"
     if draw(st.integers(0, 15)) == 7:  # (torch.export is slow: ~0.7 s a case)
+        case.capture = "export"
+    elif m.example != "distinct" and draw(st.integers(0, 2)) == 0:  # aliased example inputs: the capture that dedups them
         case.capture = "export"
     # torch.export (Dim.AUTO) may specialize a dim to the example's size (S == 8 when the model slices an
     # [8, 8] mask by S): that program runs at that size only, as plain torch.export's does; not run elsewhere

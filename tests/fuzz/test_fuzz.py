@@ -17,7 +17,10 @@ a bug in fxshard") (**crash**); a number that differs, a Partial output, a touch
 model (**silently wrong**).  A right plan (no mistake, every sharded size divides)
 that is refused is counted and listed (``refused``), not failed: a refusal keeps the
 promise.  A quarter of the cases run the sharded program at another batch size and
-sequence length than the example inputs it was transformed with (``run_shape``).
+sequence length than the example inputs it was transformed with (``run_shape``).  The
+example inputs are never the tensors the program runs on, and have other values; some
+pass one tensor under two names (``ModelCfg.example``), so an input bound by identity
+is a wrong number.
 
 Run::
 
@@ -54,7 +57,7 @@ from fxshard import PlanError
 from equivalence import coords_of, input_layouts, output_layout, slice_for
 from harness import plain, rank_map, rank_value, simulated
 
-from grammar import FuzzCase, build_inputs, build_model, build_plan, fuzz_cases, plan_source
+from grammar import FuzzCase, build_example_inputs, build_inputs, build_model, build_plan, fuzz_cases, plan_source
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -155,8 +158,8 @@ def run_case(case: FuzzCase) -> Outcome:
     mesh_shape = case.mesh_shape
     world = math.prod(mesh_shape.values())
     model = build_model(case.model)
-    example = build_inputs(case.model)
-    inputs = build_inputs(case.model, case.run_shape) if case.run_shape else example  # what the program runs on
+    example = build_example_inputs(case.model)  # other tensors (other values, maybe aliased) than the run's
+    inputs = build_inputs(case.model, case.run_shape)  # what the program runs on
     before = fingerprint(model)
     with simulated(mesh_shape) as mesh:
         # ---- transform

@@ -31,8 +31,11 @@ def _qwen2(attn="sdpa"):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(3, V, (2, 8), generator=g), "labels": torch.randint(3, V, (2, 8), generator=g)}
+    """Ids and labels: distinct tensors, labels with -100 padding (tiny_inputs)."""
+    from fxshard.testing.hf_tiny import tiny_inputs
+
+    ids, labels = tiny_inputs(2, 8, V, seed=0)
+    return {"input_ids": ids, "labels": labels}
 
 
 def _hf_plan(mesh, attn="sdpa"):

@@ -1,0 +1,80 @@
+"""Third-party conformance: model code this project did not write (litgpt's ``GPT`` from
+its own configs, torchtune's component builders with torchtune's own TP plan through
+``Plan.from_torch``, transformers' encoders, encoder-decoders and vision transformers
+through ``auto_plan``), each transformed at tp=2 and equal to one device: the loss,
+the output, every parameter gradient (each rank's shard against the matching slice)
+and the output after 2 SGD steps, with example inputs that are other tensors than the
+run inputs (labels distinct from the ids, -100 padded).  A case fxshard refuses by
+design raises the PlanError its case names (:mod:`fxshard.testing.third_party`).
+
+Simulated ranks for the breadth; one real-gloo spawn over one case per library."""
+import pytest
+import torch
+
+import fxshard
+from equivalence import Case, check_real_cases, check_simulated
+from fxshard.testing import third_party
+
+CASES = {c.name: c for c in third_party.all_cases()}  # nothing imported yet: collection stays cheap on every worker
+KNOWN = list(CASES)
+
+# The suite runs one case per library and kind (quick), a wider set of distinct architectures (slow, still
+# run in CI) and three more on real gloo ranks: 15 of the sweep's cases, ~7 s of CPU each (an auto_plan
+# transforms several variants).  ``python benchmarks/third_party.py`` runs every case (the README table).
+QUICK = ["litgpt/Llama-3.2", "torchtune/llama3", "transformers/BERT", "transformers/T5", "transformers/ViT"]
+WIDE = ["litgpt/Phi-2 (parallel residual)", "litgpt/Falcon (multi-query, shared norm)",
+        "litgpt/Gemma-3 (sliding window, q/k norm)", "torchtune/gemma2 (softcapping, sliding)",
+        "torchtune/llama3.2 (tied embedding), whole plan", "transformers/ALBERT (shared layers)",
+        "transformers/DeBERTa-v2"]
+REAL = ["litgpt/pythia (GPT-NeoX)", "torchtune/qwen2 (q/k/v bias)", "transformers/BART"]
+
+
+def _case(name):
+    case = CASES[name]
+    if not third_party.library_available(case.library):
+        pytest.skip(f"{case.library} does not import here (install the 'thirdparty' extra and litgpt, see .ci/run)")
+    return case
+
+
+def _check(case):
+    kw = case.check_kwargs()
+    inputs = kw.pop("inputs")
+    if case.refusal:
+        with pytest.raises(fxshard.PlanError, match=case.refusal) as info:
+            check_simulated(case.build, case.plan, inputs, {"tp": 2}, **kw)
+        assert "internal error" not in str(info.value)
+        return
+    sharded = check_simulated(case.build, case.plan, inputs, {"tp": 2}, **kw)
+    state = sharded.meta["fxshard_state"]
+    sharded_params = [fqn for fqn, (layout, _) in state.items()
+                      if any(isinstance(p, torch.distributed.tensor.Shard) for p in (layout or {}).values())]
+    assert sharded_params, f"{case.name}: the plan shards no parameter; the check proves nothing"
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_third_party_quick(name):
+    _check(_case(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WIDE)
+def test_third_party_sweep(name):
+    _check(_case(name))
+
+
+def test_third_party_real_gloo():
+    """One case per library on 2 real gloo ranks (the plan made on each rank)."""
+    cases = []
+    for name in REAL:
+        c = _case(name)
+        kw = c.check_kwargs()
+        cases.append(Case(c.build, c.plan, kw.pop("inputs"), {"tp": 2}, **kw))
+    check_real_cases(2, cases)
+
+
+def test_sweep_lists():
+    """The suite's cases are cases of the sweep, each once; a refusal carries the reason the README prints."""
+    chosen = QUICK + WIDE + REAL
+    assert len(set(chosen)) == len(chosen) and set(chosen) <= set(KNOWN), sorted(set(chosen) - set(KNOWN))
+    for c in third_party.all_cases():
+        assert not c.refusal or len(c.why) > 40, c.name

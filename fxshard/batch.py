@@ -68,14 +68,19 @@ def _share(sharded: fx.GraphModule, node: fx.Node, x: Any) -> Any:
     if not isinstance(x, torch.Tensor) or not isinstance(value, TensorInfo):
         return x
     cp_axes = sharded.meta.get("fxshard_context_parallel") or {}
+    cuts = [(axis, p.dim) for axis, p in value.layout.items() if isinstance(p, Shard)]  # outer axes first
+    # the sequence positions are picked from the global tensor (split_sequence reads a whole
+    # one), then the other axes cut their dims: the same pieces when no two axes cut one dim
+    sequence = [(a, d) for a, d in cuts if a in cp_axes]
+    others = [(a, d) for a, d in cuts if a not in cp_axes]
+    if sequence and len({d for _, d in cuts}) < len(cuts):
+        raise PlanError(f"fxshard.shard_inputs: input {node.target!r} is cut on one dim by a context-parallel axis and "
+                        f"another ({cuts}); cut it by hand with fxshard.split_sequence and fxshard.shard")
     with torch.no_grad():
         t = x
-        for axis, p in value.layout.items():  # outer axes first, as the state is cut
-            if not isinstance(p, Shard):
-                continue
-            if axis in cp_axes:
-                t = split_sequence(t, axis, p.dim, load_balance=cp_axes[axis]["load_balance"])
-            else:
-                t = runtime.shard(t, axis, p.dim)
+        for axis, dim in sequence:
+            t = split_sequence(t, axis, dim, load_balance=cp_axes[axis]["load_balance"])
+        for axis, dim in others:
+            t = runtime.shard(t, axis, dim)
         t = t if t is x else t.contiguous()
     return t.detach().requires_grad_(x.requires_grad) if t is not x else x

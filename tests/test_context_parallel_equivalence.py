@@ -226,7 +226,7 @@ def test_split_and_gather_sequence():
     with simulated({"cp": 2}) as mesh:
         fxshard.bind_mesh(mesh)
         part = fxshard.split_sequence(x, "cp", load_balance=True)
-        from harness import rank_value
+        from harness import plain, rank_value
 
         assert rank_value(part, 0).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
         assert rank_value(part, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
@@ -309,3 +309,30 @@ def test_ring_in_row_chunks(monkeypatch, kind):
                     inputs={"x": {"cp": Shard(1)}, "mask": {"cp": Shard(2)}})
 
     check_simulated(masked_model, plan, (x, _mask(kind)), {"cp": 2}, lr=0.2)
+
+
+def test_shard_inputs_cuts_the_sequence_as_the_plan_lays_it_out():
+    """fxshard.shard_inputs gives each rank its positions of a dp x cp batch: rows over dp,
+    load-balanced sequence chunks (i and 2n-1-i) over cp; the model's logits on them are one
+    device's logits at those rows and positions."""
+    from harness import plain, rank_value
+
+    ids = tokens(4, 16, V, seed=5)
+    model = llama()
+    with torch.no_grad():
+        want = model(ids)
+    with simulated({"dp": 2, "cp": 2}) as mesh:
+        plan = cp_plan(mesh).replace(inputs={"tokens": {"dp": Shard(0), "cp": Shard(1)}})
+        sharded = fxshard.transform(model, plan, (ids,))
+        (mine,), kwargs = fxshard.shard_inputs(sharded, ids)
+        assert kwargs == {}
+        with torch.no_grad():
+            got = sharded(mine)
+        with plain():
+            per_rank = [(rank_value(mine, r).clone(), rank_value(got, r).clone()) for r in range(4)]
+    for r, (ids_r, logits_r) in enumerate(per_rank):
+        dp, cp = divmod(r, 2)
+        positions = torch.cat([torch.arange(cp * 4, cp * 4 + 4), torch.arange((3 - cp) * 4, (3 - cp) * 4 + 4)])
+        rows = slice(2 * dp, 2 * dp + 2)
+        assert torch.equal(ids_r, ids[rows][:, positions]), r
+        torch.testing.assert_close(logits_r, want[rows][:, positions], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ Example::
     summary.count("forward", "all_reduce")            # -> 4 for a 2-layer Llama
     summary.nbytes("backward", axis="tp")             # bytes all-reduced by the grad syncs
 
-The rows come from the autograd table of :mod:`fxshard.runtime` (DESIGN.md section 4),
+The rows come from the autograd table of :mod:`fxshard.runtime` (docs/design.md §6),
 read from ``node.meta["fxshard"].collective`` of each communication node:
 
 ==================  =================  ==========================================

@@ -6,7 +6,7 @@ Every public op takes the mesh axis *name* as a literal string
 therefore identical on every rank and stays readable in dumps.
 
 The ops are ``torch.autograd.Function``\\ s with Megatron's f/g semantics
-(DESIGN.md section 4), not the raw functional collectives, whose backward would
+(docs/design.md §6), not the raw functional collectives, whose backward would
 scale replicated gradients by the group size:
 
 ==============================  ==================  ==========================

@@ -1,4 +1,4 @@
-"""fxshard.runtime: every collective against the single-device math (DESIGN.md section 4).
+"""fxshard.runtime: every collective against the single-device math (docs/design.md §6).
 
 A redistribute is the identity on the *global* value.  So for each op we pick a
 global input X and a global upstream gradient G (different for every group of

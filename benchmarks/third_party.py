@@ -10,8 +10,8 @@ mesh (one process): transformed with other example tensors (same-shaped ones ali
 then every rank's loss, output, input and parameter gradients (each rank's shard against
 the matching slice) at 2 SGD steps and after them, against one device.
 
-Verdicts: ``exact``; ``PlanError`` (a refusal, its first line; ``expected`` when the case
-lists it with its reason); ``internal error`` (a PlanError that says "internal error", or
+Verdicts: ``exact``; ``PlanError (expected)`` (a refusal the case lists with its reason) or
+``PlanError`` (one it does not: a finding until justified), with its first line; ``internal error`` (a PlanError that says "internal error", or
 any other exception); ``wrong`` (a comparison failed; it is rerun in float64 at 1e-9, and ``wrong (float64: exact)`` means
 the float32 difference is summation order: raise the case's tolerance).  ``sharded`` is the share of
 parameter elements the plan shards (a plan that shards nothing is exact for nothing).
@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     print(describe_machine())
     write_json("third_party", dict(tp=args.tp, library=args.library, only=args.only),
                [{k: v for k, v in r.items()} for r in rows], args.out)
-    bad = [r for r in rows if r["verdict"] in ("internal error", "wrong", "PlanError (other than expected)", "case does not run")]
+    bad = [r for r in rows if r["verdict"] in ("internal error", "wrong", "PlanError", "PlanError (other than expected)",
+                                               "case does not run")]
     return 1 if bad else 0
 
 

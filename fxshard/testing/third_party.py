@@ -215,6 +215,8 @@ LITGPT = [
     ("Falcon (multi-query, shared norm)", "falcon-7b", dict(n_query_groups=1)),
     ("OLMo (LayerNorm, no bias)", "OLMo-1B-hf", dict(n_query_groups=4)),
     ("Mistral", "Mistral-7B-v0.1", dict(n_query_groups=2)),
+    ("Mixtral (MoE)", "Mixtral-8x7B-v0.1", dict(n_query_groups=2, n_expert=4, n_expert_per_token=2,
+                                                moe_intermediate_size=32)),
 ]
 
 
@@ -290,7 +292,7 @@ HF = [
     ("MPNet", "AutoModelForMaskedLM", "mpnet", {**_ENC, "pad_token_id": 1, "max_position_embeddings": 66}, "hf", ()),
     ("T5", "AutoModelForSeq2SeqLM", "t5", _T5, "hf", ()),
     ("BART", "AutoModelForSeq2SeqLM", "bart", _ENCDEC, "hf", ()),
-    ("mBART", "AutoModelForSeq2SeqLM", "mbart", _ENCDEC, "hf", ()),
+    ("mBART", "AutoModelForSeq2SeqLM", "mbart", _ENCDEC, "hf", ("attention_mask",)),
     ("Pegasus", "AutoModelForSeq2SeqLM", "pegasus", _ENCDEC, "hf", ()),
     ("Marian", "AutoModelForSeq2SeqLM", "marian", {**_ENCDEC, "decoder_start_token_id": 0}, "hf", ()),
     ("ViT", "AutoModelForImageClassification", "vit", _VIT, "hf-vision", ()),

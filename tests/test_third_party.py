@@ -19,13 +19,12 @@ CASES = {c.name: c for c in third_party.all_cases()}  # nothing imported yet: co
 KNOWN = list(CASES)
 
 # The suite runs one case per library and kind (quick), a wider set of distinct architectures (slow, still
-# run in CI) and three more on real gloo ranks: 15 of the sweep's cases, ~7 s of CPU each (an auto_plan
+# run in CI) and three more on real gloo ranks: 14 of the sweep's cases, ~7 s of CPU each (an auto_plan
 # transforms several variants).  ``python benchmarks/third_party.py`` runs every case (the README table).
 QUICK = ["litgpt/Llama-3.2", "torchtune/llama3", "transformers/BERT", "transformers/T5", "transformers/ViT"]
 WIDE = ["litgpt/Phi-2 (parallel residual)", "litgpt/Falcon (multi-query, shared norm)",
         "litgpt/Gemma-3 (sliding window, q/k norm)", "torchtune/gemma2 (softcapping, sliding)",
-        "torchtune/llama3.2 (tied embedding), whole plan", "transformers/ALBERT (shared layers)",
-        "transformers/DeBERTa-v2"]
+        "torchtune/llama3.2 (tied embedding), whole plan", "transformers/DeBERTa-v2"]
 REAL = ["litgpt/pythia (GPT-NeoX)", "torchtune/qwen2 (q/k/v bias)", "transformers/BART"]
 
 

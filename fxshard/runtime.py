@@ -34,6 +34,7 @@ graph keeps it as a single leaf ``call_function`` node.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from typing import Any, Optional
 
@@ -229,19 +230,34 @@ def _padded(x: torch.Tensor, dim: int, length) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis, size: int | None = None) -> torch.Tensor:
+def _raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis, size: int | None = None, lengths: list | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (``dim`` normalized).  The collective
     stacks the ranks' tensors on dim 0; they are concatenated along ``dim`` with one
     ``cat`` (not two transposing copies of the whole tensor: 10x slower on logits).
     ``size``: the gathered dim's size when the axis does not divide it: the ranks' unequal
-    ``torch.chunk`` pieces are padded to the largest, gathered, and cut back."""
+    ``torch.chunk`` pieces are padded to the largest, gathered, and cut back.
+    ``lengths``: every rank's length of ``dim`` (from :func:`_piece_lengths`), where the
+    gathered size is not known but read at run time."""
     n = ax.size
+    if lengths is not None:
+        step = functools.reduce(torch.sym_max, lengths)
+        y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(_padded(x, dim, step).contiguous(), n, ax.group_name))
+        return torch.cat([piece.narrow(dim, 0, length) for length, piece in zip(lengths, y.chunk(n, 0))], dim)
     if size is None or size % n == 0:
         y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), n, ax.group_name))
         return torch.cat(y.chunk(n, 0), dim) if dim != 0 else y
     step = -(-size // n)
     y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(_padded(x, dim, step).contiguous(), n, ax.group_name))
     return torch.cat([piece.narrow(dim, 0, chunk(size, n, j)[1]) for j, piece in enumerate(y.chunk(n, 0))], dim)
+
+
+def _piece_lengths(x: torch.Tensor, dim: int, ax: _Axis) -> list:
+    """Every rank's length of ``dim``, in rank order on the axis, by one all-gather of an
+    int each.  A gather of unequal pieces cannot take them from the example: a dynamic dim
+    (batch, sequence) cut in pieces of 4 and 3 at length 7 is 4 and 4 at length 8, and no
+    rank's own length tells the others' (4 is the first piece of both)."""
+    mine = torch.full((1,), x.size(dim), dtype=torch.int64, device=x.device)
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(mine, ax.size, ax.group_name)).tolist()
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
@@ -358,6 +374,8 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ax, dim, grad_partial, size):
         ctx.ax, ctx.dim, ctx.grad_partial = ax, dim, grad_partial
+        if size is not None and size % ax.size:  # unequal pieces: their lengths at run time, not the example's
+            return _raw_all_gather(x, dim, ax, lengths=_piece_lengths(x, dim, ax))
         return _raw_all_gather(x, dim, ax, size)
 
     @staticmethod
@@ -531,8 +549,10 @@ def all_gather(x: torch.Tensor, axis: str, dim: int, grad: str = "replicate", si
     of the incoming gradient: ``grad="replicate"`` takes this rank's chunk of it, no
     communication; ``grad="partial"`` reduce-scatters it along ``dim`` (a grad sync
     folded into the gather, as in Megatron's sequence parallelism).  ``size``: the
-    gathered size of ``dim`` where the axis does not divide it (the ranks hold unequal
-    ``torch.chunk`` pieces, padded on the wire).
+    gathered size of ``dim`` in the example where the axis does not divide it: the ranks
+    hold unequal ``torch.chunk`` pieces, padded on the wire; their lengths are exchanged
+    at run time (one all-gather of an int per rank), so a dynamic dim (batch, sequence)
+    gathers right at other lengths than the example's.
 
     Example: ``logits = fxshard.all_gather(local_logits, "tp", -1, size=50257)``
     """

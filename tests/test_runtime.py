@@ -342,3 +342,58 @@ def _real_checks(rank: int, world_size: int) -> None:
 
 def test_real_gloo():
     spawn(_real_checks, 2)
+
+
+# --------------------------------------------------------------------------- unequal pieces of a dynamic dim
+
+def _sp_llama():
+    from fxshard.testing.models import llama
+
+    return llama(seed=0, n_heads=8, n_kv_heads=4)
+
+
+def _sp_plan(mesh):
+    from fxshard import Plan
+    from fxshard.testing.models import llama_plan
+
+    return Plan(mesh, llama_plan("tp", sequence_parallel=True))
+
+
+def _sp_cases():
+    """Sequence parallelism transformed on a sequence of 7 (tp=2: pieces 4 and 3) and run
+    at 8 (4 and 4) and at 5 (3 and 2): the all-gathers' example size is not the run's."""
+    from equivalence import Case, cross_entropy
+    from fxshard.testing.models import tokens
+
+    example = (tokens(2, 7, 128, seed=1),)
+    return [Case(_sp_llama, _sp_plan, (tokens(3, s, 128, seed=2),), {"tp": 2}, loss_fn=cross_entropy,
+                 targets=(tokens(3, s, 128, seed=3),), example_inputs=example, name=f"sp, example seq 7, run seq {s}")
+            for s in (8, 5)]
+
+
+def test_uneven_gather_takes_run_lengths_simulated():
+    """all_gather(size=7) of pieces of another length (a dynamic dim run at 8 on tp=2:
+    pieces 4 and 4, not 4 and 3) gathers all of them, and sequence parallelism
+    transformed at an odd sequence length equals one device at other lengths."""
+    from equivalence import check_simulated
+
+    full = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(0))
+    with simulated({"tp": 2}) as mesh:
+        runtime.bind_mesh(mesh)
+        local = rank_map(lambda r: full.chunk(2, 1)[r].clone())
+        back = runtime.all_gather(local, "tp", 1, size=7)
+        with plain():
+            for r in range(2):
+                assert_close(rank_value(back, r), full)
+    runtime.bind_mesh(None)
+    for case in _sp_cases():
+        check_simulated(case.model_factory, case.plan_factory, case.inputs, case.mesh_shape, loss_fn=case.loss_fn,
+                        targets=case.targets, example_inputs=case.example_inputs, name=case.name)
+
+
+def test_uneven_gather_takes_run_lengths_real():
+    """The same sequence-parallel cases on 2 gloo processes (the lengths exchanged by a
+    real all-gather)."""
+    from equivalence import check_real_cases
+
+    check_real_cases(2, _sp_cases())

@@ -7,7 +7,8 @@
 What it shows, in the order a step runs:
 
 * the model: a tiny HF causal LM built from its config class (``--model`` is an HF model
-  type: ``qwen3``, ``llama``, ``mistral``, ``mixtral``...; random weights, no download);
+  type: ``qwen3``, ``llama``, ``mistral``, ``mixtral``...; random weights, no download), or
+  torchtitan's Llama 3 (``--model torchtitan-llama3``, with torchtitan's own plan);
 * the mesh: ``--mesh dp=2,tp=2`` (``dp``: FSDP2 over the batch; ``tp``/``ep``: the model's
   own plan, ``fxshard.Plan.from_hf``); one process: the plain model, no transform;
 * the batch: every rank reads the same global batch of a step (seeded by the step, so a
@@ -56,10 +57,27 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+TORCHTITAN = "torchtitan-llama3"
+
+
 def build_model(name: str, seed: int):
+    """``name``: an HF model type (``qwen3``) or ``torchtitan-llama3``: tiny, random weights."""
+    if name == TORCHTITAN:
+        from fxshard.testing.torchtitan_models import tiny_llama3
+
+        return tiny_llama3(seed=seed, attn="sdpa")
     from fxshard.testing.hf_tiny import tiny_model
 
     return tiny_model(name, seed=seed)
+
+
+def vocab_size(model) -> int:
+    text_config = getattr(getattr(model, "config", None), "get_text_config", None)  # HF's
+    return text_config().vocab_size if text_config is not None else model.tok_embeddings.num_embeddings
+
+
+def logits_of(out):
+    return getattr(out, "logits", out)  # an HF ModelOutput, or torchtitan's logits tensor
 
 
 def global_batch(step: int, args, vocab: int):
@@ -114,10 +132,15 @@ def shard_model(model, mesh, args, example):
     from torch.distributed.tensor import Shard
 
     axes = mesh.mesh_dim_names
-    plan = fxshard.Plan.from_hf(mesh, model) if {"tp", "ep"} & set(axes) else fxshard.Plan(mesh, {})
+    titan = args.model == TORCHTITAN
+    name = "tokens" if titan else "input_ids"
+    if {"tp", "ep"} & set(axes):
+        plan = fxshard.Plan.from_torchtitan(mesh, model) if titan else fxshard.Plan.from_hf(mesh, model)
+    else:
+        plan = fxshard.Plan(mesh, {})
     if "dp" in axes:
-        plan = plan.replace(inputs={"input_ids": {"dp": Shard(0)}}, fsdp="dp")
-    sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": example})
+        plan = plan.replace(inputs={**plan.inputs, name: {"dp": Shard(0)}}, fsdp="dp")
+    sharded = fxshard.transform(model, plan, example_kwargs={name: example})
     if "dp" in axes:
         fxshard.fully_shard(sharded, mesh)
     return sharded
@@ -140,7 +163,8 @@ def main(argv=None) -> None:
     rank = torch.distributed.get_rank() if mesh is not None else 0
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.seed)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size(model)
+    name = "tokens" if args.model == TORCHTITAN else "input_ids"
     example, _ = global_batch(0, args, vocab)
     fsdp = mesh is not None and "dp" in mesh.mesh_dim_names
     module = shard_model(model, mesh, args, example) if mesh is not None else model
@@ -166,8 +190,8 @@ def main(argv=None) -> None:
         ids, labels = global_batch(step, args, vocab)
         scored = int((labels[:, 1:] != -100).sum())  # the global count: every rank's tokens weigh the same
         if mesh is not None:
-            _, mine = fxshard.shard_inputs(module, input_ids=ids)
-            ids = mine["input_ids"]
+            _, mine = fxshard.shard_inputs(module, **{name: ids})
+            ids = mine[name]
             labels = labels.chunk(dp)[mesh["dp"].get_local_rank()] if fsdp else labels
         opt.zero_grad()
         total = torch.zeros(())
@@ -175,7 +199,7 @@ def main(argv=None) -> None:
         for k, (i, l) in enumerate(micro):
             last = k == len(micro) - 1
             with (contextlib.nullcontext() if last or mesh is None else fxshard.no_sync(module)), autocast:
-                loss = token_loss_sum(module(input_ids=i).logits, l) / scored
+                loss = token_loss_sum(logits_of(module(**{name: i})), l) / scored
             (loss * dp).backward()  # FSDP2 averages over dp: times dp, the sum over ranks
             total = total + loss.detach().float()
         if args.clip:

@@ -215,8 +215,33 @@ def record_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         fakes = [_fresh_fake(mode, x, on_meta) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         try:
             _ShapeProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-        except Exception as e:  # name the node that failed
+        except PlanError:
+            raise  # names the node that failed
+        except Exception as e:
             raise PlanError(f"running the model on the example inputs failed while recording shapes: {e}") from e
+
+
+def _shape_error(node: fx.Node, e: Exception) -> PlanError:
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from .errors import node_error
+
+    if isinstance(e, (DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+        return node_error(node, f"the shape of its result depends on the values of its input ({type(e).__name__}: "
+                                f"{_first_line(e)}; e.g. `torch.where(mask)`, `nonzero`, boolean indexing), which "
+                                f"fxshard cannot lay out before the run",
+                          "declare the module that computes it an opaque region run on real tensors "
+                          "(ModuleSpec(local=True); for an MoE block fxshard.expert_parallel or fxshard.routed_experts), "
+                          "or compute it with static shapes (a dense mask instead of the indices)")
+    return node_error(node, f"running the model on the example inputs failed here while recording shapes: "
+                            f"{type(e).__name__}: {_first_line(e)}",
+                      "check that the example inputs are ones the model accepts (shapes, dtypes, devices)")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
 
 
 def _fresh_fake(mode: FakeTensorMode, x: torch.Tensor, on_meta: bool) -> torch.Tensor:
@@ -230,7 +255,20 @@ def _fresh_fake(mode: FakeTensorMode, x: torch.Tensor, on_meta: bool) -> torch.T
 class _ShapeProp(FakeTensorProp):
     """FakeTensorProp, except that a leaf module that cannot run on fake tensors (data-
     dependent shapes, e.g. MoE routing in a local region) runs once on zero-filled real
-    tensors of the same shapes, and its outputs are recorded as fake tensors."""
+    tensors of the same shapes, and its outputs are recorded as fake tensors.  A node
+    that fails is named in the PlanError, with its source line."""
+
+    def __init__(self, gm, mode):
+        super().__init__(gm, mode)
+        self.extra_traceback = False  # the PlanError names the node and its source line
+
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except PlanError:
+            raise
+        except Exception as e:
+            raise _shape_error(n, e) from e
 
     def call_module(self, target, args, kwargs):
         try:

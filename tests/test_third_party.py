@@ -24,7 +24,7 @@ KNOWN = list(CASES)
 QUICK = ["litgpt/Llama-3.2", "torchtune/llama3", "transformers/BERT", "transformers/T5", "transformers/ViT"]
 WIDE = ["litgpt/Phi-2 (parallel residual)", "litgpt/Falcon (multi-query, shared norm)",
         "litgpt/Gemma-3 (sliding window, q/k norm)", "torchtune/gemma2 (softcapping, sliding)",
-        "torchtune/llama3.2 (tied embedding), whole plan", "transformers/DeBERTa-v2"]
+        "torchtune/llama3.2 (tied embedding), whole plan", "transformers/DeBERTa-v2", "litgpt/Mixtral (MoE)"]
 REAL = ["litgpt/pythia (GPT-NeoX)", "torchtune/qwen2 (q/k/v bias)", "transformers/BART"]
 
 

@@ -219,6 +219,13 @@ LITGPT = [
                                                 moe_intermediate_size=32)),
 ]
 
+LITGPT_REFUSALS = {
+    "Mixtral (MoE)": (r"(?s)cannot shard node `where`.*LLaMAMoE.*depends on the values of its input",
+                      "its expert loop indexes tokens with `torch.where(mask)`, a shape that depends on the routing: "
+                      "fxshard lays shapes out before the run; the error names the line and says to make the MoE "
+                      "block an opaque region (fxshard.expert_parallel)"),
+}
+
 
 # ----------------------------------------------------------------------------- torchtune
 
@@ -329,8 +336,9 @@ def all_cases() -> list[ThirdPartyCase]:
     out = []
     for model, name, over in LITGPT:
         build = functools.partial(litgpt_model, name, **over)
+        refusal, why = LITGPT_REFUSALS.get(model, (None, ""))
         out.append(ThirdPartyCase("litgpt", model, "auto_plan", "lm", build,
-                                  functools.partial(auto_plan_for, build=build, kind="lm")))
+                                  functools.partial(auto_plan_for, build=build, kind="lm"), refusal=refusal, why=why))
     for model, builder, kw in TORCHTUNE:
         build = functools.partial(torchtune_model, builder, **kw)
         tied = model in TORCHTUNE_TIED

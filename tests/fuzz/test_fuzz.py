@@ -22,6 +22,14 @@ example inputs are never the tensors the program runs on, and have other values;
 pass one tensor under two names (``ModelCfg.example``), so an input bound by identity
 is a wrong number.
 
+Simulated ranks (torch's ``LocalTensorMode``) hold a size that differs by rank (a batch
+of 3 on ``dp=2``) as a ``LocalIntNode``, which lacks methods some ops call (grouped-query
+attention's ``k[:, :, :, None, :].expand(...)``).  A case whose sharded program fails on
+that alone (:func:`simulation_gap`) is checked again on real gloo processes, one per rank
+(:func:`run_case_real`), against the same single-device values, and its outcome there is
+the case's: equal, PlanError, crash or wrong like any other.  The report line says how
+many cases were checked so.
+
 Run::
 
     pytest tests/fuzz -m "not slow"                  # ~30 cases
@@ -35,6 +43,7 @@ this module) and the plan as fxshard code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -43,6 +52,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -55,9 +65,10 @@ import fxshard
 from fxshard import PlanError
 
 from equivalence import coords_of, input_layouts, output_layout, slice_for
-from harness import plain, rank_map, rank_value, simulated
+from harness import make_mesh, plain, rank_map, rank_value, simulated, spawn
 
-from grammar import FuzzCase, build_example_inputs, build_inputs, build_model, build_plan, fuzz_cases, plan_source
+from grammar import (AttnCfg, BlockCfg, Entry, FuzzCase, MlpCfg, ModelCfg, build_example_inputs, build_inputs, build_model,
+                     build_plan, fuzz_cases, plan_source)
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -67,6 +78,7 @@ QUICK_CASES = int(os.environ.get("FXSHARD_FUZZ_QUICK_CASES", "30"))
 SWEEP_CASES = int(os.environ.get("FXSHARD_FUZZ_CASES", "1000"))
 SWEEP_MIN = int(os.environ.get("FXSHARD_FUZZ_MIN", str(min(1000, SWEEP_CASES))))
 SWEEP_SECONDS = float(os.environ.get("FXSHARD_FUZZ_SECONDS", "900"))  # a bound against a hang; ~250 s expected
+REAL_TIMEOUT = 120.0  # seconds for one case on real gloo ranks
 COLLECT = os.environ.get("FXSHARD_FUZZ_COLLECT")  # a .jsonl path: record every failure, keep going
 
 
@@ -118,6 +130,7 @@ class Outcome:
     what: str = ""     # one line: the PlanError's first line, the exception, the comparison that failed
     detail: str = ""   # traceback or message
     max_diff: float | None = None
+    real: bool = False  # checked on real gloo ranks: simulated ranks cannot run the program (simulation_gap)
 
     @property
     def failed(self) -> bool:
@@ -146,22 +159,34 @@ def _diff(got, want, what: str) -> tuple[str | None, float]:
         return f"{what}: no gradient", math.inf
     if tuple(got.shape) != tuple(want.shape):
         return f"{what}: local shape {tuple(got.shape)}, expected {tuple(want.shape)}", math.inf
-    d = (got.double() - want.double()).abs()
+    d = (got.detach().double() - want.double()).abs()
     diff = float(d.max()) if d.numel() else 0.0
     if not torch.allclose(got, want, atol=ATOL, rtol=RTOL, equal_nan=True):
         return f"{what}: max abs diff {diff:.3g}", diff
     return None, diff
 
 
-def run_case(case: FuzzCase) -> Outcome:
-    """Transform and check one case (see the module docstring for the outcomes)."""
+def simulation_gap(e: BaseException) -> bool:
+    """The simulated ranks cannot run this program: torch's ``LocalTensorMode`` holds a
+    size that differs by rank (a batch of 3 on ``dp=2``: 2 rows and 1) as a ``LocalIntNode``,
+    which lacks methods a real SymNode has (``statically_known_true``, and past it asserts
+    that compare such a size with an int, e.g. ``expand`` of a grouped-query ``k[..., None, :]``).
+    A real rank holds plain ints, so the case is checked on real gloo ranks instead."""
+    text = f"{type(e).__name__}: {e}"
+    return isinstance(e, (AttributeError, AssertionError)) and ("SymNode" in text or "LocalIntNode" in text)
+
+
+def run_case(case: FuzzCase, real_rank: int | None = None) -> Outcome:
+    """Transform and check one case (see the module docstring for the outcomes).
+    ``real_rank``: check only this rank, inside a real process group (:func:`run_case_real`)."""
     mesh_shape = case.mesh_shape
     world = math.prod(mesh_shape.values())
     model = build_model(case.model)
     example = build_example_inputs(case.model)  # other tensors (other values, maybe aliased) than the run's
     inputs = build_inputs(case.model, case.run_shape)  # what the program runs on
     before = fingerprint(model)
-    with simulated(mesh_shape) as mesh:
+    ranks = range(world) if real_rank is None else [real_rank]
+    with (simulated(mesh_shape) if real_rank is None else contextlib.nullcontext(make_mesh(mesh_shape))) as mesh:
         # ---- transform
         try:
             plan = build_plan(case, mesh)
@@ -203,6 +228,8 @@ def run_case(case: FuzzCase) -> Outcome:
             out = sharded(*local_in)
             (out * local_w).sum().backward()
         except Exception as e:
+            if real_rank is None and simulation_gap(e):
+                return run_case_real(case)
             return Outcome("crash", f"the sharded program raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                            traceback.format_exc())
 
@@ -215,7 +242,7 @@ def run_case(case: FuzzCase) -> Outcome:
                 return Outcome("wrong", f"parameter FQNs differ: lost {sorted(set(ref_grads) - set(grads))}, "
                                         f"new {sorted(set(grads) - set(ref_grads))}")
             worst, problems = 0.0, []
-            for r in range(world):
+            for r in ranks:
                 coord = coords_of(r, mesh_shape)
                 checks = [(rank_value(out, r), slice_for(ref_out, out_layout, coord, mesh_shape), "output")]
                 for i, (x, g, lay) in enumerate(zip(local_in, ref_in_grads, in_layouts)):
@@ -242,6 +269,38 @@ def run_case(case: FuzzCase) -> Outcome:
             if problems:
                 return Outcome("wrong", problems[0], "\n".join(problems[:20]), worst)
             return Outcome("equal", max_diff=worst)
+
+
+def _real_rank_main(rank: int, world_size: int, case: FuzzCase, out_dir: str) -> None:
+    """One gloo rank of :func:`run_case_real`: its outcome as JSON in ``out_dir``."""
+    torch.set_num_threads(1)
+    o = run_case(case, real_rank=rank)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(dataclasses.asdict(o), f)
+
+
+def run_case_real(case: FuzzCase) -> Outcome:
+    """The case on ``prod(mesh)`` real gloo processes, each checking its own rank against
+    one device; the worst rank's outcome (crash, then wrong, then the others), marked
+    ``real``.  For the programs simulated ranks cannot run (:func:`simulation_gap`)."""
+    world = math.prod(case.mesh_shape.values())
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            spawn(_real_rank_main, world, case, out_dir, timeout=REAL_TIMEOUT)
+        except Exception as e:  # a rank died or hung: in the program, as a crash
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return Outcome("crash", f"on real gloo ranks: {type(e).__name__}: {first}", str(e)[-4000:], real=True)
+        outcomes = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"{r}.json")) as f:
+                outcomes.append(Outcome(**json.load(f)))
+    order = {"crash": 0, "wrong": 1, "planerror": 2, "equal": 3}
+    worst = min(outcomes, key=lambda o: order[o.kind])
+    if len({o.kind for o in outcomes}) > 1 and worst.kind in ("planerror", "equal"):
+        worst = Outcome("crash", f"on real gloo ranks: the ranks disagree: {[o.kind for o in outcomes]}", worst.detail)
+    diffs = [o.max_diff for o in outcomes if o.max_diff is not None]
+    what = worst.what if worst.what.startswith("on real") or not worst.what else f"on real gloo ranks: {worst.what}"
+    return dataclasses.replace(worst, what=what, max_diff=max(diffs) if diffs else None, real=True)
 
 
 def ref_grads_shape(model: nn.Module, fqn: str):
@@ -273,6 +332,8 @@ class Tally:
     def add(self, case: FuzzCase, o: Outcome) -> None:
         self.counts["cases"] += 1
         self.counts[o.kind] += 1
+        if o.real:
+            self.counts["real"] += 1
         if o.kind == "equal" and o.max_diff is not None:
             self.max_diff = max(self.max_diff, o.max_diff)
         if o.kind == "planerror":
@@ -291,7 +352,8 @@ class Tally:
         wall = time.monotonic() - self.started
         n = max(1, self.counts["cases"])
         out = [f"{wall:.1f} s wall, {wall / n:.3f} s per case; largest difference among equal cases {self.max_diff:.2g}; "
-               f"{len(self.refused)} right plans refused"]
+               f"{len(self.refused)} right plans refused; {self.counts['real']} cases checked on real gloo ranks "
+               f"(simulated ranks cannot run them)"]
         if self.reasons:
             out.append("  most common PlanErrors: " + "; ".join(f"{k} ({v})" for k, v in self.reasons.most_common(5)))
         for case, why in self.refused[:10]:
@@ -367,6 +429,32 @@ def test_fuzz_quick(fuzz_report):
     """A few random models x plans (the default quick run)."""
     tally = _sweep(QUICK_CASES, 120.0, fuzz_report, "quick")
     assert tally.counts["crash"] == 0 and tally.counts["wrong"] == 0, tally.line()
+
+
+# dp x tp = 2 x 2 with a batch of 3 (2 rows and 1) and grouped-query attention written as
+# k[:, :, :, None, :].expand(...): simulated ranks cannot run it (a LocalIntNode per-rank size)
+UNEVEN_BATCH_GQA = FuzzCase(
+    model=ModelCfg(dim=24, batch=3, seq=4, max_seq=8, input="x", vocab=16, embed_scale="none", layers=(BlockCfg(
+        norm="rmsnorm", attn=AttnCfg(n_heads=6, n_kv_heads=2, head_dim=4, qkv="fused", core="sdpa_mask", gqa="expand",
+                                     scale="sqrt", mask="bool", heads="transpose", softmax="plain", split_view="literal",
+                                     rope="shared", rope_view="index", merge="flatten", bias=True, out_bias=False,
+                                     shape_use="ones_like_tril"),
+        mlp=MlpCfg(kind="grouped", hidden=12, groups=2, act="gelu", bias=True, act_module=False, parts="split"),
+        call="positional"),), final_norm=None, head="none", head_out=24, head_bias=False, seq_from="input", tail="none",
+        pos_embed=False, loss="none", seed=1, tables="buffer", leaf="dropout", example="distinct"),
+    mesh=(("dp", 2), ("tp", 2)),
+    entries=(Entry("layers.*.attention.wqkv", "colwise", axis="tp", inputs="R", splits=(24, 8, 8)),
+             Entry("layers.*.attention.wo", "rowwise", axis="tp"), Entry("layers.*.feed_forward.w13", "colwise", axis="tp"),
+             Entry("layers.*.feed_forward.w2", "rowwise", axis="tp")),
+    inputs={"x": {"dp": "S0"}}, style="tp")
+
+
+def test_simulation_gap_checked_on_real_ranks():
+    """A program simulated ranks cannot run is checked on 4 real gloo ranks, each against
+    the single-device values, and is equal there (not skipped, not a crash)."""
+    o = run_case(UNEVEN_BATCH_GQA)
+    assert o.real and o.kind == "equal", (o.kind, o.what, o.detail[-2000:])
+    assert o.max_diff is not None and o.max_diff < ATOL
 
 
 SHARD_RESULT = "fxshard fuzz shard result: "

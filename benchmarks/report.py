@@ -1,4 +1,4 @@
-"""The README "Performance" section, in Markdown, from the latest results files.
+"""The "Performance" section of docs/performance.md, in Markdown, from the latest results files.
 
     python benchmarks/report.py                 # reads benchmarks/results/*.json, prints Markdown
     bash benchmarks/run_all.sh                  # runs every benchmark, then this

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run every benchmark with its default arguments, then print the README "Performance" section.
+# Run every benchmark with its default arguments, then print the "Performance" section of docs/performance.md.
 #
 #   bash benchmarks/run_all.sh          # ~5 minutes on 2 CPU cores; results in benchmarks/results/
 #
@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p benchmarks/results
-declare -A ARGS=([step_time]="--profile")  # the profile shows where time goes (README closing note)
+declare -A ARGS=([step_time]="--profile")  # the profile shows where time goes (docs/performance.md)
 python benchmarks/step_time.py --model llama-fsdp --tp 4 --sizes small --modes eager,aot_eager --no-plot \
   2> benchmarks/results/step_time_fsdp.stderr | tee benchmarks/results/step_time_fsdp.txt
 for name in step_time communication transform_time memory context_parallel moe_compile; do

@@ -342,8 +342,9 @@ CELLS: list[tuple[str, str]] = [
     ("md", """
     ## Where next
 
-    * `README.md`: the plan presets, `Plan.from_torch` for plans written for
-      `parallelize_module`, checkpoints (`fxshard.full_state_dict`), `torch.compile`.
+    * `docs/plans.md`: the plan presets, `Plan.from_torch` for plans written for
+      `parallelize_module`; `docs/big-models.md`: checkpoints (`fxshard.full_state_dict`);
+      `docs/performance.md`: `torch.compile`; `docs/training.md`: a training run.
     * `python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4`:
       the dump from the command line.
     * `python -m fxshard demo`: the same model on 2 real gloo processes.

@@ -1,6 +1,6 @@
 """Equivalence checkers: a sharded program against the single-device one.
 
-"Equivalence is the only test that matters" (DESIGN.md section 7): the sharded
+"Equivalence is the only test that matters" (docs/design.md §9): the sharded
 program must give the single-device output, input gradients and parameter gradients
 (each rank's shard against the matching slice of the full gradient), and the same
 outputs after SGD steps.  Every model-family test uses these checkers::
@@ -25,7 +25,7 @@ different slices (the output ``Shard(d)`` on an axis: a batch sharded on ``"dp"`
 or a column-parallel output left sharded) each add theirs.  The single-device
 reference therefore optimizes the *sum of the per-slice losses*
 (:func:`sliced_objective`); over a batch-sharded axis gradients are summed, as
-DESIGN.md section 4 says.  ``targets`` are sliced like the output's leading dims
+docs/design.md §6 says.  ``targets`` are sliced like the output's leading dims
 (cross-entropy targets ``[B, S]`` for logits ``[B, S, V]``).
 
 Ranks sit on the mesh in row-major order (``init_device_mesh``): rank ``r`` of a

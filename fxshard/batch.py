@@ -76,6 +76,7 @@ def _share(sharded: fx.GraphModule, node: fx.Node, x: Any) -> Any:
     if sequence and len({d for _, d in cuts}) < len(cuts):
         raise PlanError(f"fxshard.shard_inputs: input {node.target!r} is cut on one dim by a context-parallel axis and "
                         f"another ({cuts}); cut it by hand with fxshard.split_sequence and fxshard.shard")
+    _check_even(sharded, node, value, x, cuts)
     with torch.no_grad():
         t = x
         for axis, dim in sequence:
@@ -84,3 +85,18 @@ def _share(sharded: fx.GraphModule, node: fx.Node, x: Any) -> Any:
             t = runtime.shard(t, axis, dim)
         t = t if t is x else t.contiguous()
     return t.detach().requires_grad_(x.requires_grad) if t is not x else x
+
+
+def _check_even(sharded: fx.GraphModule, node: fx.Node, value: TensorInfo, x: torch.Tensor, cuts) -> None:
+    """A dim the example's axis divided must divide now: the program computes each rank's
+    positions as its index times its own length, which holds only for equal pieces."""
+    axes = sharded.meta.get("fxshard_mesh", {})
+    for axis, dim in cuts:
+        n = axes.get(axis, 1)
+        if n > 1 and value.shape[dim] % n == 0 and x.size(dim) % n:
+            raise PlanError(f"fxshard.shard_inputs: input {node.target!r} has {x.size(dim)} along dim {dim}, which the "
+                            f"{n} ranks of axis {axis!r} do not divide; the program was transformed at "
+                            f"{value.shape[dim]}, which they do, so it assumes equal pieces (each rank's positions are "
+                            f"its index times its own length)\n  fix: pad dim {dim} to a multiple of {n}, or transform "
+                            f"with an example whose dim {dim} the axis does not divide (the pieces' lengths are then "
+                            f"exchanged at run time)")

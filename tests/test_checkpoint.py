@@ -53,15 +53,22 @@ def _opt(module):
     return torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def _train_save_train(module, opt, steps, root, name, rank):
+    """2 steps, a save into ``root/name``, 2 more: the uninterrupted run's full state
+    (rank 0 also writes it to ``root/name_full.pt`` for the one-device checks)."""
+    steps(module, opt, 2)
+    fxshard.save(module, os.path.join(root, name), optimizer=opt)
+    steps(module, opt, 2)
+    full = fxshard.full_state_dict(module)
+    if rank == 0:
+        torch.save(full, os.path.join(root, f"{name}_full.pt"))
+    return full
+
+
 def _save_at_tp4(rank, world_size, root):
     sharded = _sharded({"tp": 4})
     opt = _opt(sharded)
-    _steps(sharded, opt, 2)
-    fxshard.save(sharded, os.path.join(root, "step2"), optimizer=opt)
-    _steps(sharded, opt, 2)
-    full = fxshard.full_state_dict(sharded)
-    if rank == 0:
-        torch.save(full, os.path.join(root, "uninterrupted.pt"))
+    full = _train_save_train(sharded, opt, _steps, root, "step2", rank)
     # the same mesh again: exactly the uninterrupted run
     again = _sharded({"tp": 4})
     opt2 = _opt(again)
@@ -92,7 +99,7 @@ def _resume(rank, world_size, root, mesh_shape, batch_on_dp):
     else:
         _steps(sharded, opt, 2)
     full = fxshard.full_state_dict(sharded)
-    want = torch.load(os.path.join(root, "uninterrupted.pt"))
+    want = torch.load(os.path.join(root, "step2_full.pt"))
     for k, v in full.items():
         torch.testing.assert_close(v, want[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{mesh_shape}: {k}: {m}")
 
@@ -118,7 +125,7 @@ def test_resume_on_one_device(saved):
     opt = _opt(model)
     fxshard.load(model, os.path.join(saved, "step2"), optimizer=opt)
     _steps(model, opt, 2)
-    want = torch.load(os.path.join(saved, "uninterrupted.pt"))
+    want = torch.load(os.path.join(saved, "step2_full.pt"))
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, want[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"one device: {k}: {m}")
 
@@ -150,13 +157,7 @@ def _fsdp_round_trip(rank, world_size, root):
             torch.nn.functional.cross_entropy(module(mine["tokens"]).flatten(0, 1), targets.flatten()).backward()
             opt.step()
 
-    opt = _opt(sharded)
-    steps(sharded, opt, 2)
-    fxshard.save(sharded, os.path.join(root, "fsdp_adamw"), optimizer=opt)
-    steps(sharded, opt, 2)
-    uninterrupted = fxshard.full_state_dict(sharded)
-    if rank == 0:
-        torch.save(uninterrupted, os.path.join(root, "fsdp_adamw_full.pt"))
+    uninterrupted = _train_save_train(sharded, _opt(sharded), steps, root, "fsdp_adamw", rank)
     resumed = fxshard.fully_shard(fxshard.transform(llama(seed=9, args=ARGS), plan, (IDS,)), mesh)
     opt2 = _opt(resumed)
     fxshard.load(resumed, os.path.join(root, "fsdp_adamw"), optimizer=opt2)

@@ -336,3 +336,13 @@ def test_shard_inputs_cuts_the_sequence_as_the_plan_lays_it_out():
         rows = slice(2 * dp, 2 * dp + 2)
         assert torch.equal(ids_r, ids[rows][:, positions]), r
         torch.testing.assert_close(logits_r, want[rows][:, positions], rtol=1e-5, atol=1e-5)
+
+
+def test_shard_inputs_refuses_a_length_the_axis_no_longer_divides():
+    """Transformed at a sequence the axis divides, the program assumes equal pieces: a run
+    length it does not divide would give rank 1 wrong positions, so shard_inputs refuses it."""
+    model = llama()
+    with simulated({"cp": 2}) as mesh:
+        sharded = fxshard.transform(model, cp_plan(mesh, lb=False), (IDS,))
+        with pytest.raises(PlanError, match=r"(?s)'tokens' has 15 along dim 1.*transformed at 16.*pad dim 1 to a multiple of 2"):
+            fxshard.shard_inputs(sharded, tokens(2, 15, V))

@@ -45,8 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard.testing.bench import localize_llama_heads, torch_llama_plan  # noqa: E402
-from fxshard.launch import spawn  # noqa: E402
-from fxshard.comm import comm_summary  # noqa: E402
+from fxshard.cli.launch import spawn  # noqa: E402
+from fxshard.debug.comm_summary import comm_summary  # noqa: E402
 from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")

@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard.moe import expert_parallel, softmax_topk
-from fxshard.launch import spawn
+from fxshard.runtime.moe import expert_parallel, softmax_topk
+from fxshard.cli.launch import spawn
 from fxshard.testing.moe_models import mixtral
 
 WORLD = 2

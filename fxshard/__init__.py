@@ -13,31 +13,31 @@ Example::
     sharded = fxshard.transform(model, plan, example_inputs=(tokens,))
     print(fxshard.dump(sharded))
 """
-from .errors import PlacementMismatchError, PlanError, SignatureMismatchError
-from .mesh import MeshSpec
-from .plan import (ContextParallel, ModuleSpec, Plan, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel,
-                   vocab_parallel)
-from .runtime import (all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, local_sizes,
+from fxshard.errors import PlacementMismatchError, PlanError, SignatureMismatchError
+from fxshard.plan.mesh import MeshSpec
+from fxshard.plan.plan import Plan
+from fxshard.plan.specs import ContextParallel, ModuleSpec, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel, vocab_parallel
+from fxshard.runtime.collectives import (all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, local_sizes,
                       local_span, reduce_over, reduce_scatter, shard)
-from .trace import trace
-from .auto_plan import auto_plan
-from .transform import transform
-from .fsdp import fully_shard
-from .dump import dump
-from .comm import comm_summary
-from .explain import explain
-from .dump_formats import render, to_dot, to_json, to_networkx
-from .moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
-from .routed_experts import routed_experts
-from .loss import global_mean_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
-from .cp_ops import context_parallel_mask, gather_sequence, local_positions, ring_attention, split_sequence
-from .state import full_state_dict, load_full_state_dict
-from .materialize import materialize
-from .hf_checkpoint import load_hf_checkpoint
-from .checkpoint import latest_checkpoint, load, save
-from .grad_norm import clip_grad_norm_, grad_norm
-from .batch import shard_inputs
-from .accumulate import no_sync
+from fxshard.frontend.trace import trace
+from fxshard.plan.auto_plan import auto_plan
+from fxshard.transform import transform
+from fxshard.training.fsdp import fully_shard
+from fxshard.debug.dump import dump
+from fxshard.debug.comm_summary import comm_summary
+from fxshard.debug.explain import explain
+from fxshard.debug.formats import render, to_dot, to_json, to_networkx
+from fxshard.runtime.moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
+from fxshard.runtime.routed_experts import routed_experts
+from fxshard.runtime.loss import global_mean_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
+from fxshard.runtime.context_parallel_ops import context_parallel_mask, gather_sequence, local_positions, ring_attention, split_sequence
+from fxshard.state.full_state import full_state_dict, load_full_state_dict
+from fxshard.state.materialize import materialize
+from fxshard.state.hf_checkpoint import load_hf_checkpoint
+from fxshard.state.checkpoint import latest_checkpoint, load, save
+from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
+from fxshard.training.batch import shard_inputs
+from fxshard.training.accumulate import no_sync
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",

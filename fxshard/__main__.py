@@ -25,16 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--bench-modes", default="eager,aot_eager",
                       help="comma-separated: eager (no compile), aot_eager, inductor (torch.compile backends)")
     demo.add_argument("--bench-iters", type=int, default=20, help="timed steps per contender and mode")
-    from .cli import add_dump_arguments
+    from fxshard.cli.commands import add_dump_arguments
 
     add_dump_arguments(sub.add_parser("dump", help="transform a model offline (MeshSpec) and dump the result: text, json, dot, svg, --diff"))
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from fxshard.cli.demo import run_demo
 
         return run_demo(args)
     if args.command == "dump":
-        from .cli import run_dump
+        from fxshard.cli.commands import run_dump
 
         return run_dump(args)
     return 2

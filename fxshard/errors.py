@@ -68,10 +68,31 @@ def module_of(node: fx.Node) -> str:
     return f"{fqn or '<root>'} ({name})"
 
 
+def target_name(node: fx.Node) -> str:
+    """How a node's target reads in messages and dumps: ``F.linear``, ``Tensor.view``, ``fxshard.all_reduce``."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op in ("call_module", "get_attr", "placeholder", "output"):
+        return str(t)
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", str(t))
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith("torch._C._nn"):
+        return f"F.{name}"
+    if mod.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    if mod.startswith("torch") and not mod.startswith("torch._"):
+        return f"torch.{name}" if mod in ("torch", "torch.functional") else f"{mod}.{name}"
+    if mod.startswith("fxshard"):
+        return f"fxshard.{name}"
+    return f"{mod}.{name}" if mod else name
+
+
+
 def node_error(node: fx.Node, problem: str, fix: str, cls: type[PlanError] = PlanError) -> PlanError:
     """Build a PlanError that points at ``node``."""
-    from .layout import target_name  # local import: layout imports nothing from here
-
     lines = [f"cannot shard node `{node.name}` ({target_name(node)}) in module {module_of(node)}"]
     src = source_line(node)
     if src:
@@ -79,50 +100,3 @@ def node_error(node: fx.Node, problem: str, fix: str, cls: type[PlanError] = Pla
     lines.append(f"  problem: {problem}")
     lines.append(f"  fix:     {fix}")
     return cls("\n".join(lines))
-
-
-def swapped_linears(node: fx.Node, axis: str) -> str | None:
-    """The FQN of the column-parallel module fed by the row-parallel one whose input
-    marker ``node`` is, if there is one: a plan with ``rowwise`` then ``colwise`` (an
-    MLP's ``w1: rowwise(), w2: colwise()``, attention's ``wq: rowwise(), wo: colwise()``)
-    has the two swapped.  Reads the boundaries ``regions`` declared (``node.meta``); a
-    module is column-parallel when its output is declared produced ``Shard`` on its last
-    dim on ``axis``, row-parallel when ``Partial``.
-
-    Example: ``swapped_linears(w1_input_marker, "tp")`` is ``"w2"`` for that MLP plan.
-    """
-    from torch.distributed.tensor import Partial, Shard
-
-    from .boundary import region_input, region_output
-    from .meta import KEY
-
-    def boundary(n):
-        meta = n.meta.get(KEY)
-        return getattr(meta, "declared", None) if meta is not None else None
-
-    def produces(fqn: str):
-        """The layout the module ``fqn`` is declared to produce on ``axis``, and the rank of its output."""
-        for n in node.graph.nodes:
-            b = boundary(n)
-            if n.target is region_output and b is not None and b.fqn == fqn and b.src and axis in b.src:
-                val = n.meta.get("val")
-                return b.src[axis], getattr(val, "ndim", None)
-        return None, None
-
-    mine = boundary(node)
-    if mine is None or not isinstance(produces(mine.fqn)[0], Partial):
-        return None
-    seen, todo = set(), list(node.users)
-    while todo:  # the first planned modules downstream of this one's output
-        n = todo.pop(0)
-        if n in seen:
-            continue
-        seen.add(n)
-        b = boundary(n)
-        if n.target is region_input and b is not None and b.fqn != mine.fqn:
-            p, ndim = produces(b.fqn)
-            if isinstance(p, Shard) and (p.dim == -1 or (ndim is not None and p.dim == ndim - 1)):
-                return b.fqn
-            continue  # another planned module: look no further on this path
-        todo.extend(n.users)
-    return None

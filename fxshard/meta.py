@@ -47,11 +47,15 @@ Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from fxshard.plan.plan import Plan
 
 KEY = "fxshard"
 
@@ -152,7 +156,7 @@ class NodeInfo:
     redistribute: tuple[dict, dict] | None = None
     rewrite: str | None = None
     collective: Collective | None = None
-    extra: dict = field(default_factory=dict)
+    extra: NodeExtra = field(default_factory=dict)  # type: ignore[assignment]
 
 
 def info(node: fx.Node) -> NodeInfo:
@@ -170,3 +174,74 @@ def tensor_info(node: Any) -> TensorInfo | None:
         v = v.value if v is not None else None
         return v if isinstance(v, TensorInfo) else None
     return None
+
+
+class NodeExtra(TypedDict, total=False):
+    """The keys of ``NodeInfo.extra``: facts a pass records on a node for a later pass or
+    for the debugging tools.  Writer -> readers on each line."""
+
+    splits: tuple[int, ...]  # get_attr of a fused parameter: its part sizes (regions -> propagate, localize)
+    heads: int  # get_attr of colwise(heads=n): the head count (regions -> replicate_heads)
+    head_replicas: Any  # fxshard.layout.placements.HeadReplicas (replicate_heads -> grad_sync, shard_state)
+    pattern: str  # the plan entry that applies to the node (regions -> explain)
+    region: str  # local region call: "carved" or "as is: <why>" (local_regions, expert_all_to_all -> dump)
+    expert_parallel: str  # where the all-to-alls went (expert_all_to_all -> dump)
+    local: tuple  # inside a carved region: (local shape, dtype) from one run on zeros (local_regions)
+    context_parallel: Any  # fxshard.plan.specs.ContextParallel around the node (regions -> propagate, cp pass)
+    context_parallel_module: str  # FQN of that module (regions -> context_parallel_attention)
+    mean_axes: tuple[str, ...]  # cp axes a mean loss is taken over (propagate -> global_mean_loss, loss_parallel)
+    distributed_norm: str  # axis of the distributed_norm module around the node (regions -> distributed_norm_statistics)
+
+
+class ProgramMeta(TypedDict, total=False):
+    """The keys fxshard keeps in ``gm.meta`` of a program (graph-level state, read after
+    the transform by the runtime, state and debugging tools).  Writer -> readers."""
+
+    fxshard_mesh: dict[str, int]  # axis sizes (record_plan -> dump, comm_summary, shards, grad_norm)
+    fxshard_context_parallel: dict  # {axis: {"method", "load_balance"}} (record_plan -> shard_inputs, explain)
+    fxshard_state: dict  # {fqn: (global layout, global shape)} of every tensor (shard_state -> state/*)
+    fxshard_blocks: dict  # {fqn: DimBlocks} of packed parameters (shard_state -> state/*)
+    fxshard_heads: dict  # {fqn: HeadReplicas} of KV heads held by several ranks (shard_state -> state/*, grad_norm)
+    fxshard_fsdp: str  # the axis FSDP2 must still be applied on (require_fully_shard -> fully_shard)
+    fxshard_fsdp_units: list  # block FQNs, in order (split_blocks -> fully_shard)
+    fxshard_block: str  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
+    fxshard_region: str  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
+    fxshard_lifted: Any  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
+    captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
+    model_class: str  # class name of the captured model (frontend.trace -> GraphModule name)
+    model_type: str  # HF config.model_type, if any (frontend.trace -> dump)
+    module_dicts: list  # FQNs of nn.ModuleDict containers (frontend.trace -> split_blocks)
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """Everything a pass is given besides the graph: the plan and what follows from it,
+    derived once by :meth:`from_plan`.  Every pass is ``pass_(gm, ctx) -> None``.
+
+    Example::
+
+        ctx = PassContext.from_plan(plan)
+        ctx.axes        # {"dp": 2, "tp": 4}
+        ctx.cp_axes     # {"cp": ContextParallel(method="allgather", load_balance=True)}
+    """
+
+    plan: "Plan"
+    mesh: Any  # DeviceMesh, or a MeshSpec when planning offline
+    axes: Mapping[str, int]  # mesh axis -> size, in mesh order
+    fsdp_axes: tuple[str, ...]  # the axis FSDP2 owns (Plan(fsdp=...)), or ()
+    cp_axes: Mapping[str, Any]  # axis -> ContextParallel: the sequence is sharded there
+    load_balanced: tuple[str, ...]  # cp axes whose sequence is split load-balanced
+    block_pattern: re.Pattern | None  # which modules are the transformer blocks (None: module-list items)
+    bucket_cap_bytes: int | None  # gradient-sync bucket size (None: one sync per parameter)
+    example_inputs: tuple | None = None  # flat single-device inputs, when the graph's shapes are still to record
+
+    @classmethod
+    def from_plan(cls, plan: "Plan", *, blocks: str | None = None, bucket_cap_mb: float | None = 25,
+                  example_inputs: tuple | None = None) -> "PassContext":
+        from fxshard.plan.specs import pattern_regex
+
+        cp_axes = plan.context_parallel_axes()
+        return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=(plan.fsdp,) if plan.fsdp else (),
+                   cp_axes=cp_axes, load_balanced=tuple(a for a, cp in cp_axes.items() if cp.load_balance),
+                   block_pattern=pattern_regex(blocks) if blocks else None,
+                   bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None, example_inputs=example_inputs)

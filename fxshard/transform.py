@@ -11,36 +11,36 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
-from . import runtime
-from .errors import PlanError
-from .meta import KEY
-from .plan import Plan
-from .frontend.capture import flat_inputs
-from .module_state import add_missing_state, graph_attribute_tensors, named_state
-from .trace import keep_codegen, keep_non_persistent, record_shapes, trace
-from .passes.outline_regions import outline_regions
-from .passes.normalize import normalize
-from .passes.regions import regions
-from .passes.replicate_heads import replicate_heads
-from .passes.distributed_norm import distributed_norm
-from .passes.propagate import propagate
-from .passes.localize import localize
-from .passes.local_regions import local_regions
-from .passes.expert_parallel import expert_parallel
-from .passes.defer_bias import defer_bias
-from .passes.vocab_parallel_embedding import vocab_parallel_embedding
-from .passes.loss_parallel import loss_parallel
-from .passes.context_parallel import context_parallel
-from .passes.global_mean_loss import global_mean_loss
-from .passes.redistribute import redistribute
-from .passes.grad_sync import grad_sync
-from .passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
-from .passes.shard_state import shard_state
-from .passes.cleanup import cleanup
-from .passes.split_blocks import block_of, split_blocks
-from .fsdp import check_fsdp_axis, require_fully_shard
-from .grad_norm import track_parameters
-from .plan import _pattern_regex
+from fxshard.runtime import collectives
+from fxshard.errors import PlanError
+from fxshard.meta import KEY
+from fxshard.plan.plan import Plan
+from fxshard.frontend.capture import flat_inputs
+from fxshard.state.module_state import add_missing_state, graph_attribute_tensors, named_state
+from fxshard.frontend.trace import keep_codegen, keep_non_persistent, record_shapes, trace
+from fxshard.passes.outline_regions import outline_regions
+from fxshard.passes.normalize import normalize
+from fxshard.passes.regions import regions
+from fxshard.passes.replicate_heads import replicate_heads
+from fxshard.passes.distributed_norm import distributed_norm
+from fxshard.passes.propagate import propagate
+from fxshard.passes.localize import localize
+from fxshard.passes.local_regions import local_regions
+from fxshard.passes.expert_parallel import expert_parallel
+from fxshard.passes.defer_bias import defer_bias
+from fxshard.passes.vocab_parallel_embedding import vocab_parallel_embedding
+from fxshard.passes.loss_parallel import loss_parallel
+from fxshard.passes.context_parallel import context_parallel
+from fxshard.passes.global_mean_loss import global_mean_loss
+from fxshard.passes.redistribute import redistribute
+from fxshard.passes.grad_sync import grad_sync
+from fxshard.passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
+from fxshard.passes.shard_state import shard_state
+from fxshard.passes.cleanup import cleanup
+from fxshard.passes.split_blocks import block_of, split_blocks
+from fxshard.training.fsdp import check_fsdp_axis, require_fully_shard
+from fxshard.training.grad_norm import track_parameters
+from fxshard.plan.specs import pattern_regex
 
 
 def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None,
@@ -79,7 +79,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             fsdp_axes = (plan.fsdp,) if plan.fsdp else ()
             cp_axes = plan.context_parallel_axes()  # {axis: ContextParallel}: the sequence is sharded there
             load_balanced = tuple(a for a, cp in cp_axes.items() if cp.load_balance)
-            block_rx = _pattern_regex(blocks) if blocks else None
+            block_rx = pattern_regex(blocks) if blocks else None
             normalize(gm, plan)
             regions(gm, plan)
             replicate_heads(gm, axes)
@@ -100,8 +100,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
             # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
             bucket_grad_syncs(gm, int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
                               (lambda n: block_of(n, block_rx)) if plan.fsdp else (lambda n: ""))
-        runtime.bind_mesh(plan.mesh)
-        runtime.bind_replica_groups(gm)  # process groups are made now, on every rank, never while tracing
+        collectives.bind_mesh(plan.mesh)
+        collectives.bind_replica_groups(gm)  # process groups are made now, on every rank, never while tracing
         shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
         cleanup(gm)
         gm.meta["fxshard_mesh"] = dict(axes)

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from fxshard import runtime
+from fxshard.runtime import collectives
 from fxshard.meta import Collective, TensorInfo, info
 
 DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
@@ -89,7 +89,7 @@ def bucket_grad_syncs(gm: fx.GraphModule, cap_bytes: int | None, unit_of: Callab
 
 
 def _is_sync(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is runtime.grad_sync
+    return node.op == "call_function" and node.target is collectives.grad_sync
 
 
 _VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous"}
@@ -107,7 +107,7 @@ def _is_parameter_like(gm: fx.GraphModule, node) -> bool:
         tensors = [a for a in node.all_input_nodes if isinstance(info(a).value, TensorInfo)]
         return len(tensors) == 1 and tensors[0] is node.args[0] and _is_parameter_like(gm, node.args[0])
     return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-            and node.args[0].target is runtime.grad_sync_bucket)
+            and node.args[0].target is collectives.grad_sync_bucket)
 
 
 def _fetch(gm: fx.GraphModule, target: str):
@@ -139,7 +139,7 @@ def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, ord
     for m in bucket:  # a get_attr is made just before its own use, maybe after the anchor
         _hoist(m.source, anchor, order)
     with graph.inserting_before(anchor):
-        node = graph.create_node("call_function", runtime.grad_sync_bucket, ([m.source for m in bucket], axis), kwargs,
+        node = graph.create_node("call_function", collectives.grad_sync_bucket, ([m.source for m in bucket], axis), kwargs,
                                  name="grad_bucket")
     names = ", ".join(_parameter_name(m.source) for m in bucket)
     _annotate(node, values, stack, anchor, "grad sync bucket")

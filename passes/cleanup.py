@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.module_state import drop_unused_modules
+from fxshard.state.module_state import drop_unused_modules
 
-from fxshard import runtime
+from fxshard.runtime import collectives
 
-_INVERSE = {runtime.shard: runtime.all_gather, runtime.all_gather: runtime.shard}
+_INVERSE = {collectives.shard: collectives.all_gather, collectives.all_gather: collectives.shard}
 
 
 def mutates(node: fx.Node) -> bool:

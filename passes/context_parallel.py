@@ -29,10 +29,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from fxshard import runtime
-from fxshard.cp_ops import context_parallel_mask, local_positions, ring_attention
+from fxshard.runtime import collectives
+from fxshard.runtime.context_parallel_ops import context_parallel_mask, local_positions, ring_attention
 from fxshard.errors import PlanError, node_error
-from fxshard.layout import fmt_layout, local_shape
+from fxshard.layout.placements import fmt_layout, local_shape
 from fxshard.meta import Collective, TensorInfo, info
 
 
@@ -116,7 +116,7 @@ def _allgather(graph, node, q, k, v, mask, args, cp, axes, nd, region):
     for name, x in (("K", k), ("V", v)):
         xi = info(x).value
         with graph.inserting_before(node):  # named for the code: k_all, v_all
-            g = graph.create_node("call_function", runtime.all_gather, (x, cp.axis, nd - 2), name=f"{name.lower()}_all")
+            g = graph.create_node("call_function", collectives.all_gather, (x, cp.axis, nd - 2), name=f"{name.lower()}_all")
         _copy_meta(g, node)
         layout = dict(xi.layout)
         layout[cp.axis] = Replicate()

@@ -17,8 +17,8 @@ import operator
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
-from fxshard import runtime
-from fxshard.boundary import region_output
+from fxshard.runtime import collectives
+from fxshard.markers import region_output
 from fxshard.errors import node_error
 from fxshard.meta import Collective, TensorInfo, info
 
@@ -66,7 +66,7 @@ def defer_bias(gm: fx.GraphModule) -> fx.GraphModule:
             p = dst.layout[axis]
             if isinstance(p, Shard) and p.dim == len(dst.shape) - 1:
                 with gm.graph.inserting_after(cur):
-                    b = cur = gm.graph.call_function(runtime.shard, (b, axis, 0))
+                    b = cur = gm.graph.call_function(collectives.shard, (b, axis, 0))
                 b_layout[axis] = Shard(0)
                 info(b).collective = Collective("shard", axis, "local slice", "all-gather", f"bias of {info(node).region}")
                 info(b).value = TensorInfo(dict(b_layout), b_info.shape, (dst.local_shape[-1],), b_info.dtype, b_info.requires_grad)

@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
-from fxshard.boundary import region_output
+from fxshard.markers import region_output
 from fxshard.errors import node_error
 from fxshard.meta import Boundary, info
 

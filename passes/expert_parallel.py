@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import PlanError
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info
-from fxshard.moe import ExpertParallelSpec, around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
+from fxshard.runtime.moe import ExpertParallelSpec, around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
 
 _COLLECTIVES = {
     ep_exchange_counts: ("ep_exchange_counts", "all-to-all (tokens per expert)", "none"),

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard.errors import node_error
-from fxshard.loss import global_mean_cross_entropy
+from fxshard.runtime.loss import global_mean_cross_entropy
 from fxshard.meta import info
 
 _NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from fxshard import runtime
+from fxshard.runtime import collectives
 from fxshard.meta import Collective, TensorInfo, info
 
 
@@ -83,7 +83,7 @@ def _sync_head_replicas(gm: fx.GraphModule) -> None:
         replicas = (v.shape[0] // v.local_shape[0]) // hr.heads  # the axis size over the heads
         users = list(p.users)
         with gm.graph.inserting_after(p):
-            s = gm.graph.call_function(runtime.grad_sync, (p, hr.axis), {"replicas": replicas})
+            s = gm.graph.call_function(collectives.grad_sync, (p, hr.axis), {"replicas": replicas})
         m = info(s)
         m.collective = Collective("grad_sync", hr.axis, "identity", f"all-reduce over the {replicas} ranks "
                                   f"sharing each head", f"grad of {p.name} (replicated heads)")
@@ -121,7 +121,7 @@ def grad_sync(gm: fx.GraphModule, fsdp_axes: tuple[str, ...] = ()) -> fx.GraphMo
                 key = prefix + (axis,)
                 if key not in synced:
                     with graph.inserting_before(consumer):
-                        s = graph.call_function(runtime.grad_sync, (synced[prefix], axis),
+                        s = graph.call_function(collectives.grad_sync, (synced[prefix], axis),
                                                 {"op": "avg"} if axis in fsdp_axes else {})
                     m = info(s)
                     m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {value.name}")

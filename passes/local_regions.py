@@ -51,15 +51,15 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from fxshard import runtime
+from fxshard.runtime import collectives
 from fxshard.errors import PlanError, SignatureMismatchError
-from fxshard.layout import local_shape, uneven_dims
+from fxshard.layout.placements import local_shape, uneven_dims
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
-from fxshard.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
-from fxshard.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
+from fxshard.runtime.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
+from fxshard.runtime.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
 
-from .normalize import normalize
-from .outline_regions import outline
+from fxshard.passes.normalize import normalize
+from fxshard.passes.outline_regions import outline
 
 
 def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
@@ -329,7 +329,7 @@ def _sync_in_graph(carved: fx.GraphModule, region: LocalRegion, syncs: dict[str,
             users, x = list(node.users), node
             for axis in syncs[fqn]:
                 with graph.inserting_after(x):
-                    x = graph.call_function(runtime.grad_sync, (x, axis))
+                    x = graph.call_function(collectives.grad_sync, (x, axis))
                 m = info(x)
                 m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {fqn}")
                 m.region = region.fqn
@@ -391,7 +391,7 @@ def _pass_lifted(gm: fx.GraphModule, call: fx.Node, region: LocalRegion, lifted:
         _outer_meta(x, call, value, "parameter of a local region")
         for axis in sync_axes:
             with graph.inserting_before(call):
-                x = graph.call_function(runtime.grad_sync, (x, axis))
+                x = graph.call_function(collectives.grad_sync, (x, axis))
             _outer_meta(x, call, value, "grad sync")
             info(x).collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {fqn}")
         extra[name] = x

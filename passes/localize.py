@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from fxshard import runtime
+from fxshard.runtime import collectives
 from fxshard.errors import node_error
-from fxshard.layout import uneven_dims
-from fxshard.rules import _pieces, view_groups
+from fxshard.layout.placements import uneven_dims
+from fxshard.layout.op_rules import piece_sizes, view_groups
 from fxshard.meta import SizeInfo, TensorInfo, info
 
 _SIZED_METHODS = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full"}
@@ -130,7 +130,7 @@ def _infer_uneven(node, sizes: list, offset: int, out: TensorInfo, axes) -> list
         else:
             (axis,) = {a for dd, a in uneven_dims(out.shape, out.layout, axes).items() if dd == d}
             raise node_error(node, f"dim {d} of size {out.shape[d]} is sharded on {axis!r} in unequal pieces "
-                                   f"(torch.chunk: {_pieces(out.shape[d], axes[axis])}), so its literal size {sizes[i]} "
+                                   f"(torch.chunk: {piece_sizes(out.shape[d], axes[axis])}), so its literal size {sizes[i]} "
                                    f"has no one local value",
                              f"size that dim with -1 or with a size read from the tensor (x.size({d})), or make it a "
                              f"multiple of {axes[axis]}")
@@ -250,7 +250,7 @@ def _part_slice_bounds(node, x: TensorInfo, idx: tuple, axes) -> None:
                     raise node_error(node, f"this slice of the fused parts {list(x.blocks)}, cut in unequal pieces on "
                                            f"{sorted(sharded)}, also indexes other dims", "slice the parts alone, then the rest")
                 with node.graph.inserting_before(node):
-                    span = node.graph.call_function(runtime.local_span, (list(x.blocks), next(iter(sharded)), start, stop))
+                    span = node.graph.call_function(collectives.local_span, (list(x.blocks), next(iter(sharded)), start, stop))
                     lo = node.graph.call_function(operator.getitem, (span, 0))
                     length = node.graph.call_function(operator.getitem, (span, 1))
                     narrow = node.graph.call_method("narrow", (node.args[0], d, lo, length))
@@ -281,7 +281,7 @@ def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balance
                          f"use a sequence length that {axis!r} divides")
     users = list(node.users)
     with graph.inserting_after(node):
-        offset = graph.call_function(runtime.local_offset, (axis, node.args[-1], node))
+        offset = graph.call_function(collectives.local_offset, (axis, node.args[-1], node))
     with graph.inserting_after(offset):
         shifted = graph.call_function(operator.add, (node, offset))
     for n, rule in ((offset, "rank offset"), (shifted, "arange offset")):
@@ -295,7 +295,7 @@ def _arange_offset(graph: fx.Graph, node: fx.Node, out: TensorInfo, load_balance
 
 def _as_positions(graph: fx.Graph, node: fx.Node, out: TensorInfo, axis: str) -> None:
     """``arange(n)`` on a load-balanced axis: this rank's global positions."""
-    from fxshard.cp_ops import local_positions
+    from fxshard.runtime.context_parallel_ops import local_positions
 
     dtype = node.kwargs.get("dtype")
     with graph.inserting_before(node):
@@ -312,7 +312,7 @@ def _as_positions(graph: fx.Graph, node: fx.Node, out: TensorInfo, axis: str) ->
 def _window_rows(graph: fx.Graph, node: fx.Node, load_balanced) -> None:
     """``sliding_window_mask(S, window, device)`` with ``S`` the local length of a
     context-parallel sequence: this rank's rows, keys in global order."""
-    from fxshard.cp_ops import sliding_window_rows
+    from fxshard.runtime.context_parallel_ops import sliding_window_rows
 
     out = info(node).value
     (axis,) = [a for a, p in out.layout.items() if isinstance(p, Shard)]
@@ -331,7 +331,7 @@ def _narrow_positions(graph: fx.Graph, node: fx.Node, load_balanced) -> None:
     sequence: the rows at this rank's global positions (``index_select``)."""
     import builtins
 
-    from fxshard.cp_ops import local_positions
+    from fxshard.runtime.context_parallel_ops import local_positions
 
     out = info(node).value
     x = node.args[0]
@@ -401,7 +401,7 @@ def _split(node, axes):
                                    f"pieces, which have no one local size", f"use part sizes that {k} divides")
         (axis,) = sharded  # each part cut in torch.chunk pieces: the rank's sizes are read at run time
         with node.graph.inserting_before(node):
-            local = node.graph.call_function(runtime.local_sizes, (list(sizes), axis))
+            local = node.graph.call_function(collectives.local_sizes, (list(sizes), axis))
         local.meta.update({key: node.meta[key] for key in ("nn_module_stack", "stack_trace") if key in node.meta})
         info(local).region, info(local).rule = info(node).region, "this rank's part sizes"
         node.args = (node.args[0], local, *node.args[2:])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from fxshard.errors import node_error
-from fxshard.loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
+from fxshard.runtime.loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from fxshard.meta import info
 
 

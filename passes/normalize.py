@@ -28,9 +28,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 from fxshard.errors import PlanError
-from fxshard.module_state import drop_unused_modules
+from fxshard.state.module_state import drop_unused_modules
 
 _ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh, nn.Sigmoid: F.sigmoid}
 

@@ -21,12 +21,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard.boundary import region_input, region_output
-from fxshard.errors import PlacementMismatchError, PlanError, node_error, swapped_linears
-from fxshard.layout import fmt_layout, is_replicate, local_shape, normalize
-from fxshard.meta import LocalRegion, SizeInfo, TensorInfo, info
-from fxshard.dtensor_rules import dtensor_layout
-from fxshard.rules import (FILL_LIKE, Ctx, block_slice, measured_rule, measures, rank_dependent_numbers, rule_for,
+from fxshard.markers import region_input, region_output
+from fxshard.errors import PlacementMismatchError, PlanError, node_error
+from fxshard.layout.placements import fmt_layout, is_replicate, local_shape, normalize
+from fxshard.meta import KEY, LocalRegion, SizeInfo, TensorInfo, info
+from fxshard.layout.dtensor_rules import dtensor_layout
+from fxshard.layout.op_rules import (FILL_LIKE, Ctx, block_slice, measured_rule, measures, rank_dependent_numbers, rule_for,
                            scalar_value, views)
 
 
@@ -480,3 +480,45 @@ def _suggest(layout, axes=None) -> str:
     too, or the suggestion would read ``{}``), else its non-replicated axes."""
     keep = (lambda a, p: a in axes) if axes is not None else (lambda a, p: not isinstance(p, Replicate))
     return "{" + ", ".join(f"{a!r}: {p!r}" for a, p in layout.items() if keep(a, p)) + "}"
+
+
+def swapped_linears(node: fx.Node, axis: str) -> str | None:
+    """The FQN of the column-parallel module fed by the row-parallel one whose input
+    marker ``node`` is, if there is one: a plan with ``rowwise`` then ``colwise`` (an
+    MLP's ``w1: rowwise(), w2: colwise()``, attention's ``wq: rowwise(), wo: colwise()``)
+    has the two swapped.  Reads the boundaries ``regions`` declared (``node.meta``); a
+    module is column-parallel when its output is declared produced ``Shard`` on its last
+    dim on ``axis``, row-parallel when ``Partial``.
+
+    Example: ``swapped_linears(w1_input_marker, "tp")`` is ``"w2"`` for that MLP plan.
+    """
+    def boundary(n):
+        meta = n.meta.get(KEY)
+        return getattr(meta, "declared", None) if meta is not None else None
+
+    def produces(fqn: str):
+        """The layout the module ``fqn`` is declared to produce on ``axis``, and the rank of its output."""
+        for n in node.graph.nodes:
+            b = boundary(n)
+            if n.target is region_output and b is not None and b.fqn == fqn and b.src and axis in b.src:
+                val = n.meta.get("val")
+                return b.src[axis], getattr(val, "ndim", None)
+        return None, None
+
+    mine = boundary(node)
+    if mine is None or not isinstance(produces(mine.fqn)[0], Partial):
+        return None
+    seen, todo = set(), list(node.users)
+    while todo:  # the first planned modules downstream of this one's output
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        b = boundary(n)
+        if n.target is region_input and b is not None and b.fqn != mine.fqn:
+            p, ndim = produces(b.fqn)
+            if isinstance(p, Shard) and (p.dim == -1 or (ndim is not None and p.dim == ndim - 1)):
+                return b.fqn
+            continue  # another planned module: look no further on this path
+        todo.extend(n.users)
+    return None

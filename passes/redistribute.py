@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard import runtime
-from fxshard.boundary import is_marker
-from fxshard.layout import fmt_placement, local_shape
+from fxshard.runtime import collectives
+from fxshard.markers import is_marker
+from fxshard.layout.placements import fmt_placement, local_shape
 from fxshard.errors import node_error
 from fxshard.meta import Boundary, Collective, TensorInfo, info
 
@@ -96,25 +96,25 @@ def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d, axes: dict[str, int]):
         avg = s.reduce_op == "avg"  # propagate admits sum and avg only
         if isinstance(d, Replicate):
             args = (x, axis, "avg") if avg else (x, axis)
-            return graph.call_function(runtime.all_reduce, args), Collective(
+            return graph.call_function(collectives.all_reduce, args), Collective(
                 "all_reduce", axis, "all-reduce (avg)" if avg else "all-reduce", "scale by 1/n" if avg else "identity")
         if isinstance(d, Shard):
             args = (x, axis, d.dim, "avg") if avg else (x, axis, d.dim)
-            return graph.call_function(runtime.reduce_scatter, args), Collective(
+            return graph.call_function(collectives.reduce_scatter, args), Collective(
                 "reduce_scatter", axis, "reduce-scatter (avg)" if avg else "reduce-scatter", "all-gather, 1/n" if avg else "all-gather")
     if isinstance(s, Shard) and isinstance(d, Replicate):
         size = info(x).value.shape[s.dim] if isinstance(info(x).value, TensorInfo) else None
         kwargs = {"size": size} if size is not None and size % axes[axis] else {}  # unequal pieces, padded on the wire
-        return graph.call_function(runtime.all_gather, (x, axis, s.dim), kwargs), Collective("all_gather", axis, "all-gather", "local chunk")
+        return graph.call_function(collectives.all_gather, (x, axis, s.dim), kwargs), Collective("all_gather", axis, "all-gather", "local chunk")
     if isinstance(s, Replicate) and isinstance(d, Shard):
-        return graph.call_function(runtime.shard, (x, axis, d.dim)), Collective("shard", axis, "local chunk", "all-gather")
+        return graph.call_function(collectives.shard, (x, axis, d.dim)), Collective("shard", axis, "local chunk", "all-gather")
     if isinstance(s, Shard) and isinstance(d, Shard):
         shape = info(x).value.shape if isinstance(info(x).value, TensorInfo) else None
         if shape is not None and (shape[s.dim] % axes[axis] or shape[d.dim] % axes[axis]):
             raise node_error(x, f"the change {fmt_placement(s)} -> {fmt_placement(d)} on {axis!r} of a tensor of shape "
                                 f"{list(shape)} is an all-to-all of unequal pieces, which fxshard does not do",
                              f"go through Replicate, or use sizes {axis!r} divides")
-        return graph.call_function(runtime.all_to_all, (x, axis, s.dim, d.dim)), Collective("all_to_all", axis, "all-to-all", "all-to-all")
+        return graph.call_function(collectives.all_to_all, (x, axis, s.dim, d.dim)), Collective("all_to_all", axis, "all-to-all", "all-to-all")
     raise AssertionError(f"unsupported change {fmt_placement(s)} -> {fmt_placement(d)}")  # propagate rejects these
 
 

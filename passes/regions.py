@@ -26,11 +26,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 from fxshard.errors import PlanError
-from fxshard.layout import complete
+from fxshard.layout.placements import complete
 from fxshard.meta import Boundary, LocalRegion, info
-from fxshard.plan import _for_module_type, _is_layout
+from fxshard.plan.plan import is_layout
+from fxshard.plan.specs import for_module_type
 
 
 def module_types(gm: fx.GraphModule) -> dict[str, type]:
@@ -53,7 +54,7 @@ def _pick(value, name: str, position: int | None, first: bool, axes):
     """Select the entry of a spec field (``inputs``/``out_src``...) for one argument."""
     if value is None:
         return None
-    if isinstance(value, Placement) or _is_layout(value, axes):
+    if isinstance(value, Placement) or is_layout(value, axes):
         return value if first else None
     if isinstance(value, Mapping):  # by name; int keys are positions (Plan.from_torch's mixed layouts)
         return value[name] if name in value else (value.get(position) if position is not None else None)
@@ -70,7 +71,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
     for fqn, mtype in types.items():
         hit = plan.match(fqn)
         if hit:
-            specs[fqn] = (hit[0], _for_module_type(hit[1], mtype))
+            specs[fqn] = (hit[0], for_module_type(hit[1], mtype))
     axes = plan.axes
 
     # parameters and buffers --------------------------------------------------------
@@ -177,7 +178,7 @@ def _region_outs(spec, val, where: str, axes) -> tuple[dict, ...]:
         raise PlanError(f"{where}: out_names {tuple(names)} name {len(names)} outputs, but the module returns {len(val)}; "
                         f"give one name per output")
     out_src = spec.out_src
-    bare = isinstance(out_src, Placement) or _is_layout(out_src, axes)
+    bare = isinstance(out_src, Placement) or is_layout(out_src, axes)
     if isinstance(out_src, (tuple, list)) and len(out_src) > len(val):
         raise PlanError(f"{where}: out_src has {len(out_src)} layouts, but the module returns {len(val)} outputs {list(names)}; "
                         f"give one layout per output")
@@ -245,7 +246,7 @@ def _check_argument_names(spec, params: list[str], mtype, where: str, axes) -> N
         return
     for field_name in ("inputs", "in_src"):
         v = getattr(spec, field_name)
-        if isinstance(v, Mapping) and not _is_layout(v, axes):
+        if isinstance(v, Mapping) and not is_layout(v, axes):
             unknown = [k for k in v if (k >= len(params) if isinstance(k, int) else k not in params)]
             if unknown:
                 raise PlanError(f"{where}: {field_name} names {unknown}, which are neither arguments of "

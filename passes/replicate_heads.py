@@ -37,11 +37,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 from fxshard.errors import PlanError
-from fxshard.layout import HeadReplicas
+from fxshard.layout.placements import HeadReplicas
 from fxshard.meta import info
-from fxshard.rules import rule_for, view_groups
+from fxshard.layout.op_rules import rule_for, view_groups
 
 
 @dataclass(frozen=True)

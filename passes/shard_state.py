@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Shard
 
-from fxshard.layout import HeadReplicas, blocks_on, chunk, is_replicate
-from fxshard.mesh import mesh_coordinate, mesh_shape
+from fxshard.layout.placements import HeadReplicas, blocks_on, chunk, is_replicate
+from fxshard.plan.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
 

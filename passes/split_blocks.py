@@ -26,9 +26,9 @@ import re
 import torch.fx as fx
 import torch.nn as nn
 
-from fxshard.module_state import add_missing_state, named_state
+from fxshard.state.module_state import add_missing_state, named_state
 
-from .outline_regions import outline
+from fxshard.passes.outline_regions import outline
 
 _ITEM = re.compile(r"(^|\.)\d+$")
 

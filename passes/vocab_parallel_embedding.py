@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import node_error
-from fxshard.layout import local_shape
-from fxshard.shards import chunk_range
+from fxshard.layout.placements import local_shape
+from fxshard.state.shards import chunk_range
 from fxshard.meta import TensorInfo, info
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fxshard.launch import free_port, run_rank
+from fxshard.cli.launch import free_port, run_rank
 
 __all__ = ["free_port", "spawn", "simulated", "rank_map", "rank_value", "ranks_of", "make_mesh", "plain"]
 

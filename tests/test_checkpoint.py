@@ -16,8 +16,8 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import Plan
-from fxshard.checkpoint import ShardView, _runs_of_view
-from fxshard.shards import shard_runs
+from fxshard.state.checkpoint import ShardView, _runs_of_view
+from fxshard.state.shards import shard_runs
 from fxshard.testing.models import LlamaArgs, llama, llama_plan, tokens
 
 from harness import make_mesh, spawn
@@ -94,7 +94,7 @@ def _resume(rank, world_size, root, mesh_shape, batch_on_dp):
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), TGT.chunk(dp)[coord].flatten())
             loss.backward()
             for p in sharded.parameters():
-                fxshard.runtime.all_reduce(p.grad.div_(dp), "dp")
+                fxshard.all_reduce(p.grad.div_(dp), "dp")
             opt.step()
     else:
         _steps(sharded, opt, 2)

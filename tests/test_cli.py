@@ -1,6 +1,6 @@
 """``python -m fxshard dump``: offline transform + dump from the command line.
 
-Most checks call ``fxshard.cli.main(argv)`` in-process (fast); one runs the real
+Most checks call ``fxshard.cli.commands.main(argv)`` in-process (fast); one runs the real
 ``python -m fxshard dump`` to prove the wiring and the exit status.  Expected output
 is computed independently with the library (transform + dump / to_json).
 """
@@ -15,9 +15,10 @@ import textwrap
 import pytest
 
 import fxshard
-from fxshard import MeshSpec, Plan, cli
-from fxshard.comm import comm_summary
-from fxshard.dump_formats import to_json
+from fxshard import MeshSpec, Plan
+from fxshard.cli import commands as cli
+from fxshard.debug.comm_summary import comm_summary
+from fxshard.debug.formats import to_json
 from fxshard.testing.models import llama, llama_plan, tokens
 
 LLAMA = "fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)"

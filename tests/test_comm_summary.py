@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from fxshard import MeshSpec, Plan, colwise, rowwise
-from fxshard.comm import comm_summary
+from fxshard.debug.comm_summary import comm_summary
 from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, mlp, tokens
 
 try:

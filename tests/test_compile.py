@@ -140,7 +140,7 @@ def _collectives(gm: torch.fx.GraphModule) -> Counter:
 
 
 def _expected(summary, phase: str) -> Counter:
-    from fxshard.comm import C10D_OPS
+    from fxshard.debug.comm_summary import C10D_OPS
 
     return Counter(C10D_OPS[r.kind] for r in summary.select(phase))
 
@@ -178,7 +178,7 @@ def _train_step(model, run, inputs, loss_fn):
 def _check_case(name: str, case: Case, mesh, backend: str, rtol: float, atol: float, rank: int) -> str:
     import torch._dynamo
     import fxshard
-    from fxshard.comm import comm_summary
+    from fxshard.debug.comm_summary import comm_summary
 
     inputs = case.make_inputs()
     model = case.make_model()
@@ -254,7 +254,7 @@ def _check_runtime_ops(rank: int) -> None:
     """Every runtime op (not only those the model cases use) compiles with fullgraph,
     keeps its gradient semantics, and shows its communication in the aot graphs."""
     import torch._dynamo
-    from fxshard import runtime as rt
+    from fxshard.runtime import collectives as rt
 
     def program(x):
         a = rt.shard(x, "tp", 0)  # forward: no comm; backward: all-gather

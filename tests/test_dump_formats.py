@@ -19,8 +19,8 @@ import torch
 
 import fxshard
 from fxshard import MeshSpec, Plan, colwise, rowwise
-from fxshard.dump_formats import render, to_dot, to_json, to_networkx
-from fxshard.layout import fmt_placement
+from fxshard.debug.formats import render, to_dot, to_json, to_networkx
+from fxshard.layout.placements import fmt_placement
 from fxshard.meta import KEY, TensorInfo
 from fxshard.testing.models import MLP, llama, llama_plan, mlp, tokens
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan
-from fxshard.explain import explain
+from fxshard.debug.explain import explain
 from fxshard.meta import KEY, SizeInfo
 from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
 

@@ -173,7 +173,7 @@ def test_moe_checkpoint_experts_are_stacked_from_per_expert_tensors(family, tmp_
     cfg = tiny_config(family)
     single = _build(cfg)
     path = _save(single, tmp_path / family)
-    from fxshard.hf_checkpoint import checkpoint_files
+    from fxshard.state.hf_checkpoint import checkpoint_files
 
     assert any(".experts.0." in k for k in checkpoint_files(path)), "the checkpoint keeps per-expert tensors"
     full = single.state_dict()
@@ -193,7 +193,7 @@ def test_stacked_sources_read_only_their_box(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from fxshard.hf_checkpoint import Concatenated, Leaf, Stacked, read_box
+    from fxshard.state.hf_checkpoint import Concatenated, Leaf, Stacked, read_box
 
     g = torch.Generator().manual_seed(0)
     w1 = [torch.randn(6, 4, generator=g) for _ in range(3)]

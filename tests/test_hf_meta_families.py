@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan  # noqa: E402
-from fxshard.materialize import _allocate  # noqa: E402
+from fxshard.state.materialize import _allocate  # noqa: E402
 from fxshard.testing.hf_tiny import tiny_config  # noqa: E402
 
 from equivalence import expected_local  # noqa: E402

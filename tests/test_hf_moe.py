@@ -76,7 +76,7 @@ def test_mla_attention_under_tp():
                               (), {"tp": 2}, **CHECK)
     code = sharded.code
     assert "new_empty" in code and ".expand([-1, 2, -1, -1])" in code  # 4 heads, 2 per rank
-    syncs = [n for n in sharded.graph.nodes if n.op == "call_function" and n.target is fxshard.runtime.grad_sync
+    syncs = [n for n in sharded.graph.nodes if n.op == "call_function" and n.target is fxshard.grad_sync
              and any(u.op == "call_method" and u.target == "expand" for u in n.users)]
     assert len(syncs) == 2, [n.name for n in syncs]  # the shared rope key of each layer
 

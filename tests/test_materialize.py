@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import MeshSpec, Plan
-from fxshard.materialize import _allocate
+from fxshard.state.materialize import _allocate
 from fxshard.testing.models import Llama, LlamaArgs, init_params, llama, llama_plan, tokens
 
 from equivalence import expected_local

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 import fxshard
 from equivalence import Case, check_real_cases
 from fxshard.meta import info
-from fxshard.moe import ExpertList, softmax_topk
+from fxshard.runtime.moe import ExpertList, softmax_topk
 from fxshard.testing.moe_models import MixtralSparseMoE, mixtral_plan, moe_transformer, route_to
 
 N_EXPERTS = 4

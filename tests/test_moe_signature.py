@@ -9,7 +9,7 @@ from torch import nn
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan
-from fxshard.moe import check_compute_signature
+from fxshard.runtime.moe import check_compute_signature
 
 
 class Block(nn.Module):

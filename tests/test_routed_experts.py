@@ -8,8 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan, PlanError, routed_experts
-from fxshard.layout import DimBlocks
-from fxshard.routed_experts import local_routing, sharding_error
+from fxshard.layout.placements import DimBlocks
+from fxshard.runtime.routed_experts import local_routing, sharding_error
 
 
 class Experts(nn.Module):

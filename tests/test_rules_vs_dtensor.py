@@ -1,4 +1,4 @@
-"""Every hand-written layout rule (``fxshard/rules.py``) checked against DTensor.
+"""Every hand-written layout rule (``fxshard/layout/op_rules.py``) checked against DTensor.
 
 For each op sample in ``SAMPLES`` and each combination of input layouts (Replicate,
 Shard(d) of every evenly divisible dim, Partial(sum), Partial(avg); parameters and
@@ -575,7 +575,7 @@ ALLOWLIST: list[Entry] = [
           when=lambda c: _no_shard(c.lay(0)) != _no_shard(c.lay(1))),
 ]
 
-# Rule defects this check found (issue 15), fixed in fxshard/rules.py: each stays as a regression
+# Rule defects this check found (issue 15), fixed in fxshard/layout/op_rules.py: each stays as a regression
 # test (test_fixed_defect: its cases agree with DTensor or are refused where DTensor redistributes).
 FIXED: list[Entry] = [
     Entry("D1-matmul-partial-avg", _MATMUL_FAMILY, "matmul of a Partial(avg) and a Replicate claims Partial(sum): wrong "

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.fx
 from torch.testing import assert_close
 
-from fxshard import runtime
-from fxshard.mesh import MeshSpec
+from fxshard.runtime import collectives as runtime
+from fxshard.plan.mesh import MeshSpec
 
 try:
     from harness import make_mesh, plain, rank_map, rank_value, ranks_of, simulated, spawn

@@ -5,7 +5,8 @@ import pytest
 from expecttest import TestCase
 
 import fxshard
-from fxshard import MeshSpec, Plan, runtime
+from fxshard import MeshSpec, Plan
+from fxshard.runtime import collectives as runtime
 from fxshard.meta import KEY
 from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens
 from harness import simulated
@@ -15,7 +16,7 @@ V = 128
 
 def _static(gm, prefix):
     """Forward and backward collective kinds of the nodes under module ``prefix``."""
-    from fxshard.dump import module_path
+    from fxshard.debug.graph_walk import module_path
 
     fwd, bwd = collections.Counter(), collections.Counter()
     for n in gm.graph.nodes:
@@ -63,13 +64,13 @@ def test_collectives_per_layer(kind):
 class _Counter:
     def __init__(self, monkeypatch):
         self.calls = collections.Counter()
-        for name in ("_raw_all_reduce", "_raw_all_gather", "_raw_reduce_scatter"):
+        for name in ("raw_all_reduce", "raw_all_gather", "raw_reduce_scatter"):
             orig = getattr(runtime, name)
             monkeypatch.setattr(runtime, name, self._wrap(name, orig))
 
     def _wrap(self, name, fn):
         def counted(*a, **k):
-            self.calls[name[5:]] += 1
+            self.calls[name[4:]] += 1
             return fn(*a, **k)
         return counted
 

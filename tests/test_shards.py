@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import MeshSpec
 from fxshard.passes.shard_state import local_slice
-from fxshard.shards import assemble, boxes, chunk_range, local_shape, shard_runs
+from fxshard.state.shards import assemble, boxes, chunk_range, local_shape, shard_runs
 
 
 def _cut(full, runs):

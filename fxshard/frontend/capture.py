@@ -38,12 +38,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
-from fxshard.boundary import mark_arguments, mark_outputs, region_input, region_output
+from fxshard.markers import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
 from fxshard.frontend.opaque_regions import opaque_local_regions, restore_local_region_calls
 from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
-from fxshard.module_state import add_missing_state, named_state
+from fxshard.state.module_state import add_missing_state, named_state
 from fxshard.passes.cleanup import mutates
 
 

@@ -51,7 +51,7 @@ def causal_attention_as_sdpa_flag(model, plan, kwargs):
             return None  # sdpa_attention_forward then calls SDPA with is_causal=True
         window = kw.get("local_size")
         if attention_mask is None and window is not None and _is_sliding_window(mask_function, window):
-            from fxshard.cp_ops import sliding_window_mask
+            from fxshard.runtime.context_parallel_ops import sliding_window_mask
 
             return sliding_window_mask(kw["q_length"], int(window), kw["device"])
         return original_sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, **kw)

@@ -93,10 +93,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from ..errors import PlanError
-from ..mesh import Mesh, mesh_shape
-from ..routed_experts import HF_TP_DIMS, RoutedExpertsSpec, routed_experts, sharding_error
-from ..plan import ModuleSpec, Plan, _for_module_type, _is_conv1d, _pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+from fxshard.errors import PlanError
+from fxshard.plan.mesh import Mesh, mesh_shape
+from fxshard.runtime.routed_experts import HF_TP_DIMS, RoutedExpertsSpec, routed_experts, sharding_error
+from fxshard.plan.specs import PlanEntries, ModuleSpec, for_module_type, is_conv1d, pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
 
 # HF's style names, by family (transformers 5.23 registers these in ALL_PARALLEL_STYLES)
 COLWISE = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
@@ -124,8 +124,8 @@ FXSHARD_PLANS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", sequence_parallel: bool = False,
-                 loss_parallel: bool = False) -> Plan:
+def specs_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> PlanEntries:
     """The parallel plans of transformers model ``model`` as an fxshard Plan on
     ``mesh``: HF's tensor-parallel plan on the mesh axis ``axis`` and its expert-parallel
     plan on ``ep_axis``, each where the mesh has that axis (module docstring: the mapping).
@@ -133,12 +133,12 @@ def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str
     Example::
 
         model = transformers.LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, ...))
-        plan = plan_from_hf(fxshard.MeshSpec(("tp",), (2,)), model)
+        plan = specs_from_hf(fxshard.MeshSpec(("tp",), (2,)), model)
         plan.specs["model.layers.*.self_attn.q_proj"]   # ModuleSpec(style='colwise', ...)
         plan.specs["lm_head"].out_dst                   # {'tp': Replicate()}
 
         moe = transformers.MixtralForCausalLM(MixtralConfig(...))
-        plan_from_hf(fxshard.MeshSpec(("ep", "tp"), (2, 2)), moe).specs["model.layers.*.mlp.experts"]
+        specs_from_hf(fxshard.MeshSpec(("ep", "tp"), (2, 2)), moe).specs["model.layers.*.mlp.experts"]
         # routed_experts(ep='ep', tp='tp', ...)
     """
     axes = mesh_shape(mesh)
@@ -166,7 +166,7 @@ def plan_from_hf(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str
                             f"expert-parallel plan (config.base_model_ep_plan is empty); use a mesh without {ep_axis!r}, "
                             f"or write the experts' entry: fxshard.routed_experts(ep={ep_axis!r})")
         specs = _merge_experts(specs, _convert(ep_plan, modules, params, ep_axis, experts_axis="ep"))
-    return Plan(mesh, _in_module_order(specs, list(modules)))
+    return PlanEntries(_in_module_order(specs, list(modules)))
 
 
 def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules: dict, size: int) -> dict[str, ModuleSpec]:
@@ -187,7 +187,7 @@ def _replicated_kv_heads(specs: dict[str, ModuleSpec], model: nn.Module, modules
     for pattern, spec in specs.items():
         if not isinstance(spec, ModuleSpec) or spec.style != "colwise" or spec.splits:
             continue
-        rx = _pattern_regex(pattern)
+        rx = pattern_regex(pattern)
         hits = [(fqn, m) for fqn, m in modules.items() if rx.match(fqn)]
         if not hits:
             continue
@@ -359,7 +359,7 @@ def style_spec(style: str, axis: str = "tp", *, module: nn.Module | None = None,
         _check_linear_like(module, style, pattern)
     spec = _build(style, axis, module, parts, f"HF plan entry {pattern!r} (style {style!r})")
     if module is not None:
-        spec = _for_module_type(spec, type(module))
+        spec = for_module_type(spec, type(module))
     return replace(spec, style=style)
 
 
@@ -378,7 +378,7 @@ def _build(style: str, axis: str, module, parts: int, where: str) -> ModuleSpec:
         return vocab_parallel(axis)
     if style == "embedding_colwise":
         # HF's EmbeddingParallel gathers the output of either sharding (torch's ColwiseParallel keeps Shard(-1))
-        return _for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
+        return for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
     if style == "sequence_parallel":
         return seq_norm(axis)
     if style == "all_reduce":  # HF: the module's output is partial, all-reduce it
@@ -393,7 +393,7 @@ def _packed_splits(module, parts: int, where: str) -> list[int]:
     if weight is None or weight.ndim != 2:
         raise PlanError(f"{where}: packed_colwise needs the module's 2-D weight to size its {parts} parts; "
                         f"got {type(module).__name__ if module is not None else 'no module'}")
-    width = weight.shape[1] if _is_conv1d(type(module)) else weight.shape[0]  # Conv1D: [in, out]
+    width = weight.shape[1] if is_conv1d(type(module)) else weight.shape[0]  # Conv1D: [in, out]
     if width % parts:
         raise PlanError(f"{where}: the packed weight's {width} output features are not {parts} equal parts")
     return [width // parts] * parts
@@ -465,7 +465,7 @@ def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: 
     for pattern in [p for p, e in entries.items() if e in EXPERTS_STYLES]:
         weights = {p[len(pattern) + 1:]: entries.pop(p) for p in list(entries)
                    if p.startswith(pattern + ".") and "." not in p[len(pattern) + 1:]}
-        rx = _pattern_regex(pattern)
+        rx = pattern_regex(pattern)
         hits = [m for fqn, m in modules.items() if rx.match(fqn)]
         if hits:
             specs[pattern] = _routed_experts(pattern, entries.pop(pattern), weights, hits, axis, experts_axis)
@@ -474,7 +474,7 @@ def _convert(entries: Mapping[str, Any], modules: dict[str, nn.Module], params: 
     for pattern, entry in entries.items():
         style, parts = (entry, 2) if isinstance(entry, str) else entry
         _check_known(style, pattern)  # also for entries this model has no module for: a typo is an error
-        rx = _pattern_regex(pattern)
+        rx = pattern_regex(pattern)
         hits = [m for fqn, m in modules.items() if rx.match(fqn)]
         if hits:
             specs[pattern] = _one_spec(pattern, [style_spec(style, axis, module=m, pattern=pattern, parts=parts) for m in hits])
@@ -567,7 +567,7 @@ def _one_spec(pattern: str, built: list[ModuleSpec]) -> ModuleSpec:
 def _in_module_order(specs: dict[str, ModuleSpec], fqns: list[str]) -> dict[str, ModuleSpec]:
     """Entries in the order of the model's modules (embedding, layers, head), so the plan reads top-down."""
     def first(pattern: str) -> int:
-        rx = _pattern_regex(pattern)
+        rx = pattern_regex(pattern)
         return next((i for i, f in enumerate(fqns) if rx.match(f)), len(fqns))
 
     return dict(sorted(specs.items(), key=lambda kv: first(kv[0])))
@@ -580,7 +580,7 @@ def _fqn(modules: dict[str, nn.Module], module) -> str | None:
 def _spec_of(specs: dict[str, ModuleSpec], fqn: str) -> tuple[str, ModuleSpec | None]:
     """The plan key that matches module ``fqn`` (``fqn`` itself when none does) and its spec."""
     for pattern, spec in specs.items():
-        if _pattern_regex(pattern).match(fqn):
+        if pattern_regex(pattern).match(fqn):
             return pattern, spec
     return fqn, None
 
@@ -620,7 +620,7 @@ def _tie_embeddings(specs: dict[str, ModuleSpec], model, modules, axis: str) -> 
         return specs
     specs = dict(specs)
     if emb_w == Replicate():
-        fix = vocab_parallel(axis) if head_w == Shard(0) else _for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
+        fix = vocab_parallel(axis) if head_w == Shard(0) else for_module_type(colwise(axis, out=Replicate()), nn.Embedding)
         name = "embedding_rowwise" if head_w == Shard(0) else "embedding_colwise"
         specs[emb_key] = replace(fix, style=f"{name} (tied to {head_fqn})")
     elif head_w == Replicate():

@@ -57,7 +57,7 @@ that only fixes constructor arguments is fine).  Otherwise, as for any other
 Example::
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = plan_from_torch(fxshard.MeshSpec(("tp",), (2,)), {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    plan = specs_from_torch(fxshard.MeshSpec(("tp",), (2,)), {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     plan.specs["w1"]          # ModuleSpec(style='colwise', ...)
 """
 from __future__ import annotations
@@ -66,9 +66,9 @@ from typing import Any, Callable, Mapping
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ..errors import PlanError
-from ..mesh import Mesh, mesh_shape
-from ..plan import ModuleSpec, Plan, colwise, rowwise, sequence_parallel
+from fxshard.errors import PlanError
+from fxshard.plan.mesh import Mesh, mesh_shape
+from fxshard.plan.specs import PlanEntries, ModuleSpec, colwise, rowwise, sequence_parallel
 
 R = Replicate()
 
@@ -83,14 +83,14 @@ _INERT_MEMBERS = frozenset({
 _COMMON_FIELDS = frozenset({"src_data_rank"})
 
 
-def plan_from_torch(mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: str | None = None, inputs=None) -> Plan:
+def specs_from_torch(mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: str | None = None, inputs=None) -> PlanEntries:
     """``parallelize_module``'s plan ``{fqn_pattern: style instance}`` as an fxshard Plan
     on ``mesh``, the styles acting on ``axis`` (needed on a mesh of several axes).
     See the module docstring for the field-by-field translation.
 
     Example::
 
-        plan = plan_from_torch(mesh, {"norm": SequenceParallel(),
+        plan = specs_from_torch(mesh, {"norm": SequenceParallel(),
                                       "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                                  desired_input_layouts=(Replicate(), None),
                                                                  input_kwarg_layouts={"mask": Shard(1)},
@@ -109,7 +109,7 @@ def plan_from_torch(mesh: Mesh, parallelize_plan: Mapping[str, Any], *, axis: st
                         f"{type(parallelize_plan).__name__}; fxshard plans name submodules (a style for the whole model "
                         f"has no entry): give the style to the submodules it is meant for, e.g. {{'w1': ColwiseParallel()}}")
     specs = {pattern: style_to_spec(style, axis, pattern) for pattern, style in parallelize_plan.items()}
-    return Plan(mesh, specs, inputs=inputs)
+    return PlanEntries(specs, inputs)
 
 
 def style_to_spec(style: Any, axis: str, pattern: str = "?") -> ModuleSpec:

@@ -58,15 +58,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from ..errors import PlanError
-from ..mesh import Mesh, mesh_shape
-from ..plan import ModuleSpec, Plan, _pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+from fxshard.errors import PlanError
+from fxshard.plan.mesh import Mesh, mesh_shape
+from fxshard.plan.specs import PlanEntries, ModuleSpec, pattern_regex, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
 
 R = Replicate()
 
 
-def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", loss_parallel: bool = False,
-                         sequence_parallel: bool = True, inputs: Mapping[str, Any] | None = None) -> Plan:
+def specs_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_axis: str = "ep", loss_parallel: bool = False,
+                         sequence_parallel: bool = True, inputs: Mapping[str, Any] | None = None) -> PlanEntries:
     """torchtitan's TP plan for ``model`` (a torchtitan decoder such as ``Llama3Model``)
     as an fxshard Plan on ``mesh``, torchtitan's ``tp`` axis played by ``axis``.
 
@@ -84,23 +84,23 @@ def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_a
     Example::
 
         model = fxshard.testing.torchtitan_models.tiny_llama3()
-        plan = plan_from_torchtitan(fxshard.MeshSpec(("tp",), (2,)), model)
+        plan = specs_from_torchtitan(fxshard.MeshSpec(("tp",), (2,)), model)
         plan.specs["layers.*.attention.qkv_linear.wqkv"]   # colwise
 
         moe = fxshard.testing.torchtitan_models.tiny_qwen3_moe()
-        plan = plan_from_torchtitan(fxshard.MeshSpec(("ep",), (2,)), moe)
+        plan = specs_from_torchtitan(fxshard.MeshSpec(("ep",), (2,)), moe)
         plan.specs["layers.*.moe"]   # expert_parallel('ep', experts='routed_experts.inner_experts')
     """
     axes = mesh_shape(mesh)
     if axis not in axes and ep_axis not in axes:
-        raise PlanError(f"plan_from_torchtitan: neither axis {axis!r} nor ep_axis {ep_axis!r} is on the mesh {dict(axes)}; "
+        raise PlanError(f"Plan.from_torchtitan: neither axis {axis!r} nor ep_axis {ep_axis!r} is on the mesh {dict(axes)}; "
                         f"pass axis= the mesh axis that plays torchtitan's 'tp' (or ep_axis= its 'ep', for MoE models)")
     _check_modules(model)
     modules = dict(model.named_modules())
     specs: dict[str, ModuleSpec] = {}
     ep_regions = _expert_parallel_specs(model, ep_axis, axes[ep_axis]) if ep_axis in axes else {}
     if ep_axis in axes and not ep_regions:
-        raise PlanError(f"plan_from_torchtitan: the mesh has an {ep_axis!r} axis but torchtitan shards no experts of "
+        raise PlanError(f"Plan.from_torchtitan: the mesh has an {ep_axis!r} axis but torchtitan shards no experts of "
                         f"{type(model).__name__} over 'ep' (it has no MoE layers); drop the axis or pass ep_axis= another name")
     if axis in axes:
         for fqn, config in torchtitan_sharding_configs(model, tp_degree=axes[axis], sequence_parallel=sequence_parallel).items():
@@ -115,7 +115,7 @@ def plan_from_torchtitan(mesh: Mesh, model: nn.Module, *, axis: str = "tp", ep_a
     specs.update(ep_regions)
     if ep_regions and inputs is None:
         inputs = {_forward_args(model)[0]: {ep_axis: Shard(0)}}
-    return Plan(mesh, _fold_layers(specs, list(modules)), inputs=inputs)
+    return PlanEntries(_fold_layers(specs, list(modules)), inputs)
 
 
 def _expert_parallel_specs(model: nn.Module, ep_axis: str, ep_degree: int) -> dict[str, ModuleSpec]:
@@ -123,7 +123,7 @@ def _expert_parallel_specs(model: nn.Module, ep_axis: str, ep_degree: int) -> di
     torchtitan shards ``S(0)`` on ``EP`` at ``expert_parallel_degree=ep_degree``."""
     from torchtitan.models.common.moe import MoE, RoutedExperts
 
-    from ..moe import expert_parallel
+    from fxshard.runtime.moe import expert_parallel
 
     configs = torchtitan_sharding_configs(model, tp_degree=1, ep_degree=ep_degree)
     modules = dict(model.named_modules())
@@ -177,7 +177,7 @@ def torchtitan_sharding_configs(model: nn.Module, *, tp_degree: int, sequence_pa
 
     config = getattr(model, "config", None)
     if not isinstance(model, Module) or not hasattr(config, "update_from_config"):
-        raise PlanError(f"plan_from_torchtitan: expected a torchtitan model built from its config (a Decoder such as "
+        raise PlanError(f"Plan.from_torchtitan: expected a torchtitan model built from its config (a Decoder such as "
                         f"Llama3Model, with .config), got {type(model).__name__}")
     config = copy.deepcopy(config)  # torchtitan fills sharding_config in place: leave the model's config alone
     parallelism = ParallelismConfig(tensor_parallel_degree=tp_degree, enable_sequence_parallel=sequence_parallel,
@@ -194,7 +194,7 @@ def torchtitan_sharding_configs(model: nn.Module, *, tp_degree: int, sequence_pa
     names = dict(model.named_modules())
     stray = [f for f in found if f not in names]
     if stray:
-        raise PlanError(f"plan_from_torchtitan: {type(model).__name__}.config builds modules the model does not have "
+        raise PlanError(f"Plan.from_torchtitan: {type(model).__name__}.config builds modules the model does not have "
                         f"({stray[:3]}); was the model changed after it was built?")
     return found
 
@@ -439,7 +439,7 @@ def _fold_layers(specs: dict[str, ModuleSpec], fqns: list[str]) -> dict[str, Mod
         if fqn in done:
             continue
         pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
-        rx = _pattern_regex(pattern)
+        rx = pattern_regex(pattern)
         group = [f for f in fqns if rx.match(f)]
         if pattern != fqn and all(specs.get(f) == spec for f in group):
             out[pattern] = spec

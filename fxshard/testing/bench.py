@@ -48,8 +48,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..launch import spawn
-from ..progress import progress
+from fxshard.cli.launch import spawn
+from fxshard.state.progress import progress
 import torch.nn.functional as F
 from torch import nn
 

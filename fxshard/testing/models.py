@@ -505,7 +505,7 @@ def _gather_input(axis: str, arg: str = "x"):
     (torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from fxshard.plan import ModuleSpec
+    from fxshard.plan.specs import ModuleSpec
 
     return ModuleSpec(inputs={arg: {axis: Replicate()}}, in_src={arg: {axis: Shard(1)}}, style="prepare_input")
 
@@ -524,7 +524,7 @@ def llama_plan(axis: str = "tp", *, fused: bool = False, sequence_parallel: bool
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    from fxshard.plan import colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+    from fxshard.plan.specs import colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
 
     seq = Shard(1) if sequence_parallel else Replicate()
     if fused:
@@ -562,7 +562,7 @@ def gpt2_plan(axis: str = "tp", *, sequence_parallel: bool = False, loss_paralle
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    from fxshard.plan import ModuleSpec, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
+    from fxshard.plan.specs import ModuleSpec, colwise, rowwise, sequence_parallel as seq_norm, vocab_parallel
 
     a = args or GPT2Args()
     seq = Shard(1) if sequence_parallel else Replicate()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import Attention, LlamaArgs, init_params
+from fxshard.testing.models import Attention, LlamaArgs, init_params
 
 __all__ = [
     "MoEArgs", "MoETransformer", "GroupedExperts", "GroupedMoE", "MixtralExpert", "MixtralSparseMoE",
@@ -245,7 +245,7 @@ def route_to(model: nn.Module, experts: list[int], strength: float = 20.0) -> nn
 
 
 def _attention_tp(tp: str) -> dict:
-    from fxshard.plan import colwise, rowwise
+    from fxshard.plan.specs import colwise, rowwise
 
     plan = {f"layers.*.attention.{w}": colwise(tp) for w in ("wq", "wk", "wv")}
     plan["layers.*.attention.wo"] = rowwise(tp)
@@ -255,7 +255,7 @@ def _attention_tp(tp: str) -> dict:
 def moe_plan(ep: str = "ep", tp: str | None = None) -> dict:
     """Experts of every ``layers.*.moe`` split over ``ep``; with ``tp``, attention is
     tensor-parallel (q/k/v column-, o row-parallel) over ``tp``."""
-    from fxshard.moe import expert_parallel
+    from fxshard.runtime.moe import expert_parallel
 
     return {**(_attention_tp(tp) if tp else {}), "layers.*.moe": expert_parallel(ep)}
 
@@ -263,7 +263,7 @@ def moe_plan(ep: str = "ep", tp: str | None = None) -> dict:
 def mixtral_plan(ep: str = "ep", tp: str | None = None) -> dict:
     """``layers.*.block_sparse_moe`` expert-parallel over ``ep`` with the default
     router (softmax in float32, top-k from the block's ``top_k``, renormalize)."""
-    from fxshard.moe import expert_parallel, softmax_topk
+    from fxshard.runtime.moe import expert_parallel, softmax_topk
 
     return {**(_attention_tp(tp) if tp else {}), "layers.*.block_sparse_moe": expert_parallel(ep, router=softmax_topk())}
 
@@ -319,7 +319,7 @@ def run_moe_demo(world_size: int = 2, steps: int = 3, layer: str = "layers.0") -
     """``python -m fxshard demo --moe``: a tiny Mixtral, expert parallel over
     ``world_size`` gloo ranks on CPU: dump one layer (with the all-to-alls inside the
     MoE block), train a few SGD steps and compare the loss with one device."""
-    from ..launch import spawn
+    from fxshard.cli.launch import spawn
 
     spawn(_demo_rank, world_size, steps, layer)
     return 0

@@ -188,7 +188,7 @@ def nanogpt_plan(axis: str = "tp", config: GPTConfig | None = None, *, loss_para
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    from fxshard.plan import colwise, rowwise, vocab_parallel
+    from fxshard.plan.specs import colwise, rowwise, vocab_parallel
 
     c = config or GPTConfig()
     return {

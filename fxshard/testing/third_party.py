@@ -140,7 +140,7 @@ def _double(build: Callable[[], nn.Module]) -> nn.Module:
 
 
 def _batch(kind: str, extra: tuple, seed: int):
-    from .hf_tiny import tiny_inputs
+    from fxshard.testing.hf_tiny import tiny_inputs
 
     if kind == "hf-vision":
         g = torch.Generator().manual_seed(100 + seed)

@@ -9,7 +9,7 @@ import fxshard
 from equivalence import check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
 from torch.distributed.tensor import Replicate
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 
 
 class Block(nn.Module):

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, routed_experts, rowwise, sequence_parallel, vocab_parallel
-from fxshard.frontend.hf_plan import KNOWN_STYLES, hf_tp_plan, param_layout, plan_from_hf, style_spec
-from fxshard.plan import _for_module_type
+from fxshard.frontend.hf_plan import KNOWN_STYLES, hf_tp_plan, param_layout, specs_from_hf, style_spec
+from fxshard.plan.specs import for_module_type
 
 TP2 = MeshSpec(("tp",), (2,))
 R = Replicate()
@@ -104,7 +104,7 @@ def test_plan_from_hf_function_and_subclass(llama):
     class MyPlan(Plan):
         pass
 
-    assert plan_from_hf(TP2, llama) == Plan.from_hf(TP2, llama)
+    assert specs_from_hf(TP2, llama).specs == Plan.from_hf(TP2, llama).specs
     assert type(MyPlan.from_hf(TP2, llama)) is MyPlan
 
 
@@ -179,13 +179,13 @@ def test_gpt2_base_model():
 def test_conv1d_presets():
     from transformers.pytorch_utils import Conv1D
 
-    col, row = _for_module_type(colwise(), Conv1D), _for_module_type(rowwise(out=Shard(1)), Conv1D)
+    col, row = for_module_type(colwise(), Conv1D), for_module_type(rowwise(out=Shard(1)), Conv1D)
     assert col.params == {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}
     assert (col.inputs, col.out_src) == (colwise().inputs, colwise().out_src)  # boundaries as for nn.Linear
     assert row.params == {"weight": {"tp": Shard(0)}} and row.out_dst == {"tp": Shard(1)}
     Duck = type("Conv1D", (nn.Module,), {})  # known by name: fxshard never imports transformers
-    assert _for_module_type(colwise(), Duck).params["weight"] == {"tp": Shard(1)}
-    assert _for_module_type(colwise(), nn.Conv1d) == colwise()  # torch's convolution is not GPT-2's Conv1D
+    assert for_module_type(colwise(), Duck).params["weight"] == {"tp": Shard(1)}
+    assert for_module_type(colwise(), nn.Conv1d) == colwise()  # torch's convolution is not GPT-2's Conv1D
 
 
 # ----------------------------------------------------------------------------- ties
@@ -507,12 +507,12 @@ def test_kv_heads_shared_when_the_axis_is_larger():
     """At tp=4 with 2 KV heads, HF's colwise k/v projections become colwise(heads=2); q and an MLP
     as wide as the KV heads (16 = 2 x 8) keep HF's colwise; at tp=2 nothing changes."""
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**SMALL, "num_attention_heads": 8, "intermediate_size": 16}))
-    specs = plan_from_hf(MeshSpec(("tp",), (4,)), model).specs
+    specs = Plan.from_hf(MeshSpec(("tp",), (4,)), model).specs
     for name in ("k_proj", "v_proj"):
         assert specs[f"model.layers.*.self_attn.{name}"] == replace(colwise("tp"), heads=2)
     assert specs["model.layers.*.self_attn.q_proj"].heads is None
     assert specs["model.layers.*.mlp.gate_proj"].heads is None
-    assert all(getattr(s, "heads", None) is None for s in plan_from_hf(TP2, model).specs.values())
+    assert all(getattr(s, "heads", None) is None for s in Plan.from_hf(TP2, model).specs.values())
 
 
 def per_layer_gemma4(seed: int = 0, heads: int = 4, kv_heads: int = 2, layer1_kv_heads: int = 1, head_dim: int = 16):

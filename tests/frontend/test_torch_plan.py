@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, rowwise, sequence_parallel
-from fxshard.frontend.torch_plan import plan_from_torch, style_to_spec
+from fxshard.frontend.torch_plan import style_to_spec
 
 from equivalence import Case, check_real_cases, expected_local
 

@@ -1,4 +1,4 @@
-"""plan_from_torchtitan: torchtitan 0.3's own TP/SP plan for its Llama3, as fxshard specs."""
+"""specs_from_torchtitan: torchtitan 0.3's own TP/SP plan for its Llama3, as fxshard specs."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
-from fxshard.frontend.torchtitan_plan import plan_from_torchtitan, torchtitan_sharding_configs
+from fxshard.frontend.torchtitan_plan import specs_from_torchtitan, torchtitan_sharding_configs
 from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3, tiny_qwen3_moe
 
 TP2 = MeshSpec(("tp",), (2,))
@@ -57,19 +57,19 @@ def _sp_plan(lm_head_out):
 
 
 def test_tp_with_sequence_parallel_is_torchtitans_default(model):
-    plan = plan_from_torchtitan(TP2, model)
+    plan = Plan.from_torchtitan(TP2, model)
     assert plan.specs == _sp_plan(lm_head_out=R)
     assert plan.axes == {"tp": 2} and plan.inputs == {}
 
 
 def test_loss_parallel_keeps_logits_vocab_sharded(model):
-    plan = plan_from_torchtitan(TP2, model, loss_parallel=True)
+    plan = Plan.from_torchtitan(TP2, model, loss_parallel=True)
     assert plan.specs == _sp_plan(lm_head_out=Shard(-1))
     assert plan.specs["lm_head"].out_dst == {"tp": Shard(-1)}
 
 
 def test_without_sequence_parallel_only_the_megatron_pairs_remain(model):
-    plan = plan_from_torchtitan(TP2, model, sequence_parallel=False)
+    plan = Plan.from_torchtitan(TP2, model, sequence_parallel=False)
     # norms and block inputs declare only Replicate (torchtitan's I/R): fxshard's default
     assert plan.specs == {
         "tok_embeddings": vocab_parallel("tp", out=R),
@@ -84,11 +84,11 @@ def test_without_sequence_parallel_only_the_megatron_pairs_remain(model):
 
 
 def test_classmethod_is_the_importer(model):
-    assert Plan.from_torchtitan(TP2, model, loss_parallel=True) == plan_from_torchtitan(TP2, model, loss_parallel=True)
+    assert Plan.from_torchtitan(TP2, model, loss_parallel=True).specs == specs_from_torchtitan(TP2, model, loss_parallel=True).specs
 
 
 def test_patterns_fold_layers_and_match_the_model(model):
-    plan = plan_from_torchtitan(TP2, model)
+    plan = Plan.from_torchtitan(TP2, model)
     fqns = [n for n, _ in model.named_modules()]
     plan.check_patterns(fqns)
     assert not any(part.isdigit() for p in plan.specs for part in p.split("."))
@@ -99,7 +99,7 @@ def test_patterns_fold_layers_and_match_the_model(model):
 
 def test_separate_projections_and_tied_embeddings():
     model = tiny_llama3(fuse_qkv=False, enable_weight_tying=True)
-    plan = plan_from_torchtitan(TP2, model)
+    plan = Plan.from_torchtitan(TP2, model)
     for w in ("wq", "wk", "wv"):  # QKVLinear's one "wkv" config builds both wk and wv
         assert plan.specs[f"layers.*.attention.qkv_linear.{w}"] == colwise("tp")
     # one tied weight, sharded alike by both of its modules
@@ -109,7 +109,7 @@ def test_separate_projections_and_tied_embeddings():
 
 def test_dp_tp_mesh_converts_the_tp_axis_only(model):
     mesh = MeshSpec(("dp", "tp"), (2, 2))
-    plan = plan_from_torchtitan(mesh, model, inputs={"tokens": {"dp": Shard(0)}})
+    plan = Plan.from_torchtitan(mesh, model, inputs={"tokens": {"dp": Shard(0)}})
     assert plan.inputs == {"tokens": {"dp": Shard(0), "tp": R}}
     assert plan.specs == _sp_plan(lm_head_out=R)
 
@@ -132,13 +132,13 @@ def test_ep_mesh_makes_each_moe_block_expert_parallel(factory):
     """torchtitan shards the grouped experts S(0) on EP: the MoE block becomes one
     expert-parallel region around them, and the batch is sharded over ep (DeepSeek-V3's
     dense first layer has no MoE: the pattern still covers the layers that do)."""
-    plan = plan_from_torchtitan(EP2, factory())
+    plan = Plan.from_torchtitan(EP2, factory())
     assert plan.specs == {"layers.*.moe": GROUPED}
     assert plan.inputs == {"tokens": {"ep": Shard(0)}}
 
 
 def test_ep_tp_mesh_shards_dense_modules_over_tp_and_experts_over_ep():
-    plan = plan_from_torchtitan(MeshSpec(("ep", "tp"), (2, 2)), tiny_qwen3_moe())
+    plan = Plan.from_torchtitan(MeshSpec(("ep", "tp"), (2, 2)), tiny_qwen3_moe())
     assert plan.specs["layers.*.moe"] == GROUPED
     assert plan.specs["layers.*.attention.wo"] == rowwise("tp", out=Shard(1))
     assert not [p for p in plan.specs if p.startswith("layers.*.moe.")]  # the region runs as is inside
@@ -148,7 +148,7 @@ def test_ep_tp_mesh_shards_dense_modules_over_tp_and_experts_over_ep():
 def test_tp_mesh_makes_torchtitans_routed_experts_one_local_region():
     """TP-only MoE: torchtitan's local_map region with the grouped experts' hidden-dim
     shards folded in (a local region is opaque), Replicate tokens in, a Partial output."""
-    plan = plan_from_torchtitan(TP2, tiny_qwen3_moe(), sequence_parallel=False)
+    plan = Plan.from_torchtitan(TP2, tiny_qwen3_moe(), sequence_parallel=False)
     spec = plan.specs["layers.*.moe.routed_experts"]
     assert spec.local and spec.out_src == {"tp": Partial()} and spec.out_dst == {"tp": Partial()}
     assert spec.params == {"inner_experts.w1_EFD": {"tp": Shard(1)}, "inner_experts.w2_EDF": {"tp": Shard(2)},
@@ -158,7 +158,7 @@ def test_tp_mesh_makes_torchtitans_routed_experts_one_local_region():
 
 def test_ep_mesh_on_a_dense_model_is_a_plan_error(model):
     with pytest.raises(PlanError, match="'ep' axis but torchtitan shards no experts of Llama3Model"):
-        plan_from_torchtitan(EP2, model)
+        Plan.from_torchtitan(EP2, model)
 
 
 # ----------------------------------------------------------------------------- no equivalent
@@ -167,7 +167,7 @@ def test_ep_mesh_on_a_dense_model_is_a_plan_error(model):
 def test_dist_gemm_backend_has_no_equivalent():
     model = tiny_llama3(tp_gemm_backend="dist_gemm")
     with pytest.raises(PlanError, match="AllGatherFusedQKVLinear.*tp_gemm_backend='default'"):
-        plan_from_torchtitan(TP2, model)
+        Plan.from_torchtitan(TP2, model)
 
 
 def test_local_map_on_an_unknown_module_has_no_equivalent(model, monkeypatch):
@@ -182,22 +182,22 @@ def test_local_map_on_an_unknown_module_has_no_equivalent(model, monkeypatch):
 
     monkeypatch.setattr(llama3_sharding, "set_dense_ffn_sharding", with_local_map)
     with pytest.raises(PlanError, match=r"'layers\.0\.feed_forward' \(FeedForward\): local_map .* no fxshard equivalent"):
-        plan_from_torchtitan(TP2, model)
+        Plan.from_torchtitan(TP2, model)
 
 
 def test_tp_must_divide_the_kv_heads(model):
     with pytest.raises(PlanError, match=r"degree 4 .* must divide n_kv_heads \(2\)"):
-        plan_from_torchtitan(MeshSpec(("tp",), (4,)), model)
+        Plan.from_torchtitan(MeshSpec(("tp",), (4,)), model)
 
 
 def test_axis_must_be_on_the_mesh(model):
     with pytest.raises(PlanError, match="neither axis 'mp' nor ep_axis 'ep' is on the mesh"):
-        plan_from_torchtitan(TP2, model, axis="mp")
+        Plan.from_torchtitan(TP2, model, axis="mp")
 
 
 def test_not_a_torchtitan_model():
     with pytest.raises(PlanError, match="expected a torchtitan model .* got Linear"):
-        plan_from_torchtitan(TP2, nn.Linear(4, 4))
+        Plan.from_torchtitan(TP2, nn.Linear(4, 4))
 
 
 # ----------------------------------------------------------------------------- the test model

@@ -8,7 +8,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard import MeshSpec, Plan, runtime
+from fxshard import MeshSpec, Plan
+from fxshard.runtime import collectives as runtime
 from fxshard.testing.models import gpt2, gpt2_plan, llama, llama_plan, tokens
 
 from equivalence import check_simulated, cross_entropy

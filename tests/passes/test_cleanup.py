@@ -7,7 +7,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
 import fxshard
-from fxshard import MeshSpec, Plan, colwise, rowwise, runtime
+from fxshard import MeshSpec, Plan, colwise, rowwise
+from fxshard.runtime import collectives as runtime
 from fxshard.testing.models import llama, llama_plan, tokens
 
 from equivalence import check_simulated

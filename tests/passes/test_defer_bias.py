@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise, runtime
-from fxshard.boundary import region_output
+from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
+from fxshard.runtime import collectives as runtime
+from fxshard.markers import region_output
 from fxshard.meta import KEY
 
 X = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0))

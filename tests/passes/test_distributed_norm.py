@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, distributed_norm, rowwise
-from fxshard.boundary import region_output
+from fxshard.markers import region_output
 from fxshard.meta import KEY
 
 from equivalence import check_simulated

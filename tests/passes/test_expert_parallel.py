@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 import fxshard
 from fxshard import MeshSpec, Plan
 from fxshard.meta import info
-from fxshard.moe import ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
+from fxshard.runtime.moe import ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
 from fxshard.testing.moe_models import moe_transformer
 from harness import make_mesh, spawn
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-from fxshard import MeshSpec, Plan, colwise, rowwise, runtime
+from fxshard import MeshSpec, Plan, colwise, rowwise
+from fxshard.runtime import collectives as runtime
 from fxshard.meta import KEY
 from fxshard.testing.models import llama, llama_plan, mlp, tokens
 

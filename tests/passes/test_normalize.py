@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxshard import MeshSpec, ModuleSpec, Plan, colwise, rowwise
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 
 TP2 = MeshSpec(("tp",), (2,))
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import fxshard
 from equivalence import check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise, vocab_parallel
-from fxshard.boundary import region_output
+from fxshard.markers import region_output
 from fxshard.meta import KEY, SizeInfo, TensorInfo
 from fxshard.testing.models import llama, llama_plan, mlp, tokens
 

@@ -9,8 +9,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard import MeshSpec, ModuleSpec, Plan, colwise, rowwise, runtime
-from fxshard.boundary import is_marker
+from fxshard import MeshSpec, ModuleSpec, Plan, colwise, rowwise
+from fxshard.runtime import collectives as runtime
+from fxshard.markers import is_marker
 from fxshard.meta import KEY
 from fxshard.testing.models import mlp
 

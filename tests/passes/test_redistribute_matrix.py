@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import fxshard
+from fxshard.layout.placements import fmt_placement
 from equivalence import coords_of
 from fxshard import ModuleSpec, Plan, PlanError
 from fxshard.meta import KEY
@@ -64,7 +65,7 @@ class Redistribute(nn.Module):
 
 
 def _fmt(layout: dict) -> str:
-    return ",".join(fxshard.layout.fmt_placement(p) for p in layout.values())
+    return ",".join(fmt_placement(p) for p in layout.values())
 
 
 def _layouts(mesh_shape):

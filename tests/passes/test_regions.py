@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard import runtime
+from fxshard.runtime import collectives as runtime
 
 from fxshard import MeshSpec, Plan
-from fxshard.boundary import region_input, region_output
+from fxshard.markers import region_input, region_output
 from fxshard.meta import KEY, Boundary
 from fxshard.testing.models import llama, llama_plan, tokens
 
@@ -85,7 +85,7 @@ def test_module_without_ops_of_its_own_keeps_its_boundary():
     in its own scope, so its plan entry "matched no module"; its markers now sit in
     its scope and its ``inputs=`` is honoured."""
     from torch.distributed.tensor import Shard
-    from fxshard import runtime
+    from fxshard.runtime import collectives as runtime
 
     plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {"inner": fxshard.ModuleSpec(inputs={"tp": Shard(0)})})
     gm = fxshard.transform(_TakesInLayout(), plan, example_inputs=(torch.randn(4, 2),))

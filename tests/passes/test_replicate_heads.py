@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import MeshSpec, Plan, PlanError, colwise
-from fxshard.layout import HeadReplicas
+from fxshard.layout.placements import HeadReplicas
 from fxshard.testing import models
 
 from equivalence import Case, check_real_cases, check_simulated

@@ -1,0 +1,392 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at
+another mesh.
+
+Example::
+
+    fxshard.save(sharded, "ckpt/step100", optimizer=opt)       # every rank writes its shards
+    ...                                                       # later, at tp=2, dp x tp or one device:
+    fxshard.load(sharded_tp2, "ckpt/step100", optimizer=opt2)
+
+What is stored is the *global* tensor of every model FQN and of every optimizer
+state that has a parameter's shape (AdamW's ``exp_avg``, ``exp_avg_sq``): each rank
+writes the boxes of its shard (:mod:`fxshard.shards`; one per part of a fused
+projection) with their global offsets, replicas are written once (DCP deduplicates
+equal boxes).  Loading asks DCP for the boxes of the *loading* model's shards, so DCP
+reads each from whichever files hold it: a checkpoint saved at tp=4 loads at tp=2, dp x
+tp, or into the plain single-device model (no process group).  Keys:
+``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups`` (parameters by
+FQN), so a checkpoint is readable with DCP's own tools.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fxshard.runtime import collectives
+from fxshard.errors import PlanError
+from fxshard.state.module_state import named_state
+from fxshard.state.progress import progress
+from fxshard.state.shards import Runs, boxes, runs_of
+
+
+class ShardView:
+    """A rank's local tensor as DCP sees it: the global size, and the boxes this rank
+    holds (``__create_write_items__`` / ``__create_chunk_list__`` /
+    ``__get_tensor_shard__``, the protocol DTensor implements)."""
+
+    def __init__(self, local: torch.Tensor, runs: Runs, global_shape):
+        self.local, self.global_size = local, torch.Size(global_shape)
+        self.boxes = {torch.Size(b.offsets): b for b in boxes(runs)}
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(b.sizes)),
+                                                      properties=props, size=self.global_size))
+                for off, b in self.boxes.items()]
+
+    def size(self) -> torch.Size:
+        return self.global_size
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=off, sizes=torch.Size(b.sizes)) for off, b in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.local[self.boxes[torch.Size(index.offset)].local]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP looks objects up by tensor type; a ShardView answers for its boxes.  The
+    progress bar counts this rank's write items."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def finish_plan(self, new_plan):
+        self.bar.reset(total=len(new_plan.items))
+        return super().finish_plan(new_plan)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardView) else super().lookup_object(index)
+
+    def resolve_data(self, write_item):
+        self.bar.update(1)
+        return super().resolve_data(write_item)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's first step re-allocates meta tensors and drops any other
+        # object (a ShardView) to None; fxshard.load refuses meta tensors itself
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def finish_plan(self, new_plan):
+        self.bar.reset(total=len(new_plan.items))
+        return super().finish_plan(new_plan)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardView) else super().lookup_tensor(index)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        self.bar.update(1)
+        super().commit_tensor(read_item, tensor)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.bar.update(1)
+        super().load_bytes(read_item, value)
+
+
+def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
+    """``{fqn: ShardView}`` of ``module``'s persistent state (a transformed
+    GraphModule's shards, or a plain module's whole tensors) and ``{id(param): fqn}``."""
+    transformed = "fxshard_state" in getattr(module, "meta", {})
+    mesh = collectives.bound_mesh() if transformed else None
+    persistent = set(module.state_dict().keys())
+    views, names = {}, {}
+    for fqn, t, is_param in named_state(module):
+        if fqn not in persistent:
+            continue
+        names.setdefault(id(t), fqn)
+        local = t.detach()
+        local_data = local.to_local() if hasattr(local, "to_local") else local  # FSDP2: its shard of fxshard's
+        if transformed:
+            runs = runs_of(module, fqn, mesh, local)
+            shape = module.meta["fxshard_state"].get(fqn, (None, tuple(local.shape)))[1]
+        else:
+            runs, shape = [[(0, s)] for s in local.shape], tuple(local.shape)
+        views[fqn] = ShardView(local_data, runs, shape)
+    return views, names
+
+
+def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    views, names = _views(module)
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+    if optimizer is not None:
+        groups = []
+        for g in optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]})
+            for p in g["params"]:
+                fqn = names[id(p)]
+                for key, value in optimizer.state.get(p, {}).items():
+                    sd[f"optim.state.{fqn}.{key}"] = _like_param(value, p, views[fqn])
+        sd["optim.param_groups"] = tuple(groups)  # a tuple is one DCP entry (a list would be traversed)
+    return sd
+
+
+def _like_param(value, p: torch.Tensor, view: ShardView):
+    """An optimizer state of the parameter's local shape is sharded as the parameter.
+    Under FSDP2 the state is a DTensor like the parameter: its local piece is the one the
+    parameter's view describes (written as a DTensor, it would be the tp-local tensor under
+    one key from every tp rank)."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if isinstance(local, torch.Tensor) and local.shape == view.local.shape and local.dim() > 0:
+        return ShardView(local, [[(o, n) for o, n in dim] for dim in _runs_of_view(view)], view.global_size)
+    return value
+
+
+def _runs_of_view(view: ShardView) -> Runs:
+    """The runs back from a view's boxes (they form a box product, see fxshard.shards)."""
+    per_dim: list[dict[int, tuple[int, int]]] = [dict() for _ in view.global_size]
+    for b in view.boxes.values():
+        for d, (g, loc) in enumerate(zip(b.glob, b.local)):
+            per_dim[d][loc.start] = (g.start, g.stop - g.start)
+    return [[r for _, r in sorted(dim.items())] for dim in per_dim]
+
+
+def _single_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+COMMIT_FILE = "fxshard_commit.json"  # written last: a checkpoint without it is not one
+_STAGING, _REPLACED = ".partial", ".replaced"
+
+
+def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
+         state: dict | None = None, keep_last: int | None = None, show_progress: bool | None = None) -> None:
+    """Save ``module``'s shards (and ``optimizer``'s state) as a DCP checkpoint in
+    ``path``.  A collective: every rank of the mesh calls it.
+
+    ``state``: anything else the run needs to resume (step, LR scheduler, RNG states, data
+    position), each rank's own, returned by :func:`load`.  The checkpoint is written into
+    ``path + ".partial"`` and made visible as ``path`` in one rename once every rank has
+    written its part, so a rank killed mid-save leaves no ``path`` behind and
+    :func:`latest_checkpoint` returns the last one committed.  ``keep_last=k``: the ``k``
+    newest committed checkpoints beside ``path`` are kept, older ones deleted.
+
+    Example::
+
+        fxshard.save(sharded, f"ckpt/step{step}", optimizer=opt, keep_last=2,
+                     state={"step": step, "sched": sched.state_dict(), "rng": torch.get_rng_state()})
+    """
+    if keep_last is not None and keep_last < 1:
+        raise PlanError(f"fxshard.save(keep_last={keep_last}): keep at least the checkpoint just written (keep_last >= 1)")
+    path = os.fspath(path)
+    staging = path + _STAGING
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a save killed earlier left
+        os.makedirs(staging)
+    _barrier()
+    if state is not None:
+        torch.save(state, os.path.join(staging, f"state.{rank}.pt"))
+    sd = _state_dict(module, optimizer)
+    bar = progress(None, f"saving to {path}", show_progress, unit="piece")
+    try:
+        # returns once the coordinator has written the metadata, i.e. after every rank's data
+        dcp.save(sd, checkpoint_id=staging, planner=_SavePlanner(bar), no_dist=_single_process())
+    finally:
+        bar.close()
+    _barrier()  # every rank's state file too
+    if rank == 0:
+        _commit(staging, path)
+        if keep_last is not None:
+            _keep_last(os.path.dirname(os.path.abspath(path)), keep_last)
+    _barrier()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest checkpoint that :func:`save` committed in the folder ``root`` (``None``
+    if there is none); partial ones (a save that did not finish on every rank) are skipped.
+
+    Example: ``path = fxshard.latest_checkpoint("ckpt"); state = fxshard.load(sharded, path, opt) if path else None``
+    """
+    found = _committed(os.fspath(root))
+    return found[-1][1] if found else None
+
+
+def _commit(staging: str, path: str) -> None:
+    root = os.path.dirname(os.path.abspath(path))
+    seq = max((s for s, _ in _committed(root)), default=0) + 1
+    with open(os.path.join(staging, COMMIT_FILE), "w") as f:
+        json.dump({"seq": seq, "world_size": _world_size()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):  # saved again under the same name: the old one goes only once the new one is there
+        os.rename(path, path + _REPLACED)
+    os.rename(staging, path)
+    shutil.rmtree(path + _REPLACED, ignore_errors=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself is durable
+    finally:
+        os.close(fd)
+
+
+def _committed(root: str) -> list[tuple[int, str]]:
+    """``[(seq, path)]`` of the committed checkpoints in ``root``, oldest first."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        marker = os.path.join(root, name, COMMIT_FILE)
+        if name.endswith((_STAGING, _REPLACED)) or not os.path.isfile(marker):
+            continue
+        try:
+            with open(marker) as f:
+                out.append((int(json.load(f)["seq"]), os.path.join(root, name)))
+        except (ValueError, KeyError, OSError):
+            continue
+    return sorted(out)
+
+
+def _keep_last(root: str, k: int) -> None:
+    for _, old in _committed(root)[:-k]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return 0 if _single_process() else dist.get_rank()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return 1 if _single_process() else dist.get_world_size()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if not _single_process():
+        dist.barrier()
+
+
+def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
+         show_progress: bool | None = None) -> dict | None:
+    """Load a checkpoint written by :func:`save` at any mesh into ``module``'s shards
+    (in place) and ``optimizer``'s state; returns the ``state`` saved with it (this
+    rank's, or rank 0's when the checkpoint was written by fewer ranks), or ``None``.  A
+    collective on a transformed module; on a plain single-device module it needs no
+    process group.
+
+    Example: ``state = fxshard.load(sharded, fxshard.latest_checkpoint("ckpt"), optimizer=opt)``
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, COMMIT_FILE)):
+        partial = os.path.isdir(path + _STAGING) or os.path.isdir(path)
+        raise PlanError(f"fxshard.load: {path} is not a committed checkpoint"
+                        f"{' (its save did not finish on every rank)' if partial else ' (no such folder)'}: it has no "
+                        f"{COMMIT_FILE}\n  fix: load fxshard.latest_checkpoint({os.path.dirname(path) or '.'!r}), the newest "
+                        f"checkpoint every rank finished")
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    views, names = _views(module)
+    on_meta = [k for k, v in views.items() if v.local.is_meta]
+    if on_meta:
+        raise PlanError(f"fxshard.load: {on_meta[:4]} are on the meta device; call fxshard.materialize(sharded, "
+                        f"model, device=..., init=None) first")
+    missing = [k for k in views if f"model.{k}" not in saved]
+    if missing:
+        raise PlanError(f"fxshard.load: {path} has no {missing[:8]}; was it saved from this model?")
+    for fqn, v in views.items():
+        md = saved[f"model.{fqn}"]
+        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(v.global_size):
+            raise PlanError(f"fxshard.load: {fqn} has the global shape {tuple(md.size)} in {path}, the model's is "
+                            f"{tuple(v.global_size)}")
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+    if optimizer is not None:
+        sd.update(_optimizer_targets(optimizer, views, names, saved))
+    bar = progress(None, f"loading {os.fspath(path)}", show_progress, unit="piece")
+    try:
+        dcp.load(sd, checkpoint_id=os.fspath(path), planner=_LoadPlanner(bar), no_dist=_single_process())
+    finally:
+        bar.close()
+    if optimizer is not None:
+        _restore_optimizer(optimizer, names, sd)
+    for name in (f"state.{_rank()}.pt", "state.0.pt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return torch.load(os.path.join(path, name), weights_only=False)  # the run's own objects (schedulers, RNG)
+    return None
+
+
+def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:
+    """Tensors to load the saved optimizer state into: a parameter-shaped state in the
+    parameter's shards, any other tensor (AdamW's ``step``) whole."""
+    if "optim.param_groups" not in saved:
+        raise PlanError("fxshard.load: the checkpoint has no optimizer state (saved without optimizer=)")
+    out: dict[str, Any] = {"optim.param_groups": ()}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            fqn = names[id(p)]
+            prefix = f"optim.state.{fqn}."
+            for key, md in ((k[len(prefix):], m) for k, m in saved.items() if k.startswith(prefix)):
+                if isinstance(md, TensorStorageMetadata):
+                    dtype = md.properties.dtype
+                    if tuple(md.size) == tuple(views[fqn].global_size) and len(md.size) > 0:
+                        local = torch.zeros(views[fqn].local.shape, dtype=dtype, device=p.device)
+                        out[prefix + key] = ShardView(local, _runs_of_view(views[fqn]), views[fqn].global_size)
+                    else:
+                        out[prefix + key] = torch.zeros(tuple(md.size), dtype=dtype)
+                else:
+                    out[prefix + key] = None  # bytes: DCP fills in the object
+    return out
+
+
+def _restore_optimizer(optimizer, names, sd) -> None:
+    index, params = {}, {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            index[names[id(p)]] = len(index)
+            params[names[id(p)]] = p
+    state: dict[int, dict] = {}
+    for k, v in sd.items():
+        if not k.startswith("optim.state."):
+            continue
+        fqn, _, key = k[len("optim.state."):].rpartition(".")
+        if isinstance(v, ShardView):
+            p = params[fqn]
+            # under FSDP2 the optimizer steps on DTensors: its state is one too, laid out as the parameter
+            v = DTensor.from_local(v.local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
+                if isinstance(p, DTensor) else v.local
+        state.setdefault(index[fqn], {})[key] = v
+    groups = []
+    for g, saved in zip(optimizer.param_groups, sd["optim.param_groups"]):
+        groups.append({**saved, "params": [index[f] for f in saved["params"]]})
+    if len(groups) != len(optimizer.param_groups):
+        raise PlanError(f"fxshard.load: the checkpoint has {len(groups)} parameter groups, the optimizer "
+                        f"{len(optimizer.param_groups)}")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

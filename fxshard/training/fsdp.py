@@ -1,0 +1,119 @@
+"""FSDP2 over the data-parallel axis of a transformed module.
+
+fxshard shards within the model (tp, sp, ep) in the graph; the data-parallel axis
+belongs to PyTorch's FSDP2.  A plan gives it the axis with ``Plan(..., fsdp="dp")``:
+the transform then adds no gradient sync on that axis, keeps one submodule per
+transformer block (``sharded.layers[i]``), and buckets the other axes' gradient
+syncs within each block.  :func:`fully_shard` applies FSDP2's ``fully_shard`` over
+``mesh["dp"]`` to each block, then to the root.
+
+Example::
+
+    mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+    plan = fxshard.Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
+    sharded = fxshard.transform(model, plan, (tokens,))
+    fxshard.fully_shard(sharded, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    loss = F.cross_entropy(sharded(my_tokens).flatten(0, 1), my_targets.flatten())  # this rank's mean
+    loss.backward()   # gradients: the mean over dp (FSDP2's convention), summed over tp by fxshard
+
+Until :func:`fully_shard` has run, calling the module raises ``PlanError``: no one
+would sync the gradients over the axis.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.tensor import Replicate
+
+from fxshard.runtime import collectives
+from fxshard.errors import PlanError
+from fxshard.training.grad_norm import track_parameters
+
+__all__ = ["fully_shard"]
+
+
+def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, **fsdp_kwargs) -> fx.GraphModule:
+    """Apply FSDP2's ``fully_shard`` over ``mesh[axis]`` to each transformer block of
+    ``sharded`` (an :func:`fxshard.transform` result whose plan has ``fsdp=axis``), then
+    to ``sharded`` itself; in place, returns ``sharded``.
+
+    ``mesh``: the plan's ``DeviceMesh`` (default: the bound one); ``axis``: default the
+    plan's ``fsdp`` axis; ``fsdp_kwargs`` go to every ``fully_shard`` call
+    (``mp_policy=``, ``reshard_after_forward=``, ...).  Blocks already wrapped by hand
+    (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``) are left as they are.
+
+    Example: ``fxshard.fully_shard(sharded, mesh)``
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    owned = sharded.meta.get("fxshard_fsdp") if isinstance(sharded, fx.GraphModule) else None
+    if owned is None:
+        raise PlanError("fxshard.fully_shard: this module's plan gives no mesh axis to FSDP2, so fxshard syncs the gradients "
+                        "on every axis itself and FSDP2 would sync them a second time\n  fix: transform with "
+                        "Plan(mesh, ..., fsdp='dp') (the data-parallel axis)")
+    if axis is not None and axis != owned:
+        raise PlanError(f"fxshard.fully_shard(axis={axis!r}): the plan gives axis {owned!r} to FSDP2, not {axis!r}\n"
+                        f"  fix: call fxshard.fully_shard(sharded, mesh) (axis {owned!r}), or transform with Plan(..., fsdp={axis!r})")
+    if enabled_local_tensor_mode() is not None:
+        raise PlanError("fxshard.fully_shard: FSDP2 needs real ranks; simulated ranks (LocalTensorMode) cannot run it")
+    mesh = collectives.bound_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise PlanError(f"fxshard.fully_shard: FSDP2 needs a DeviceMesh (init_device_mesh), got {mesh}; an offline "
+                        f"MeshSpec transform cannot run")
+    names = mesh.mesh_dim_names or ()
+    if owned not in names:
+        raise PlanError(f"fxshard.fully_shard: the mesh has axes {list(names)}, not the plan's FSDP axis {owned!r}\n"
+                        f"  fix: pass the mesh the plan was made with")
+    dp_mesh = mesh[owned] if len(names) > 1 else mesh
+    for fqn in sharded.meta.get("fxshard_fsdp_units", ()):
+        block = sharded.get_submodule(fqn)
+        if not isinstance(block, FSDPModule):
+            torch_fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
+    if not isinstance(sharded, FSDPModule):
+        torch_fully_shard(sharded, mesh=dp_mesh, **fsdp_kwargs)
+    track_parameters(sharded)  # FSDP2 replaced the parameters by DTensors
+    return sharded
+
+
+def check_fsdp_axis(gm: fx.GraphModule, axis: str) -> None:
+    """On an axis FSDP2 owns only the batch may be sharded: FSDP2 averages every
+    parameter's gradient there, which is right only for a per-rank objective.  A
+    parameter sharded on the axis, or a collective on it (a gathered batch, a reduced
+    Partial), would train on a wrong gradient (a replicated loss: ``1/n`` of it), so the
+    plan is refused at the node."""
+    from fxshard.errors import node_error
+    from fxshard.meta import TensorInfo, info
+
+    for node in gm.graph.nodes:
+        m = info(node)
+        v = m.value
+        if node.op == "get_attr" and isinstance(v, TensorInfo) and not isinstance(v.layout.get(axis), Replicate):
+            raise node_error(node, f"parameter {node.target!r} is laid out {v.layout[axis]} on {axis!r}, the axis the plan "
+                                   f"gives to FSDP2, which shards parameters there itself",
+                             f"keep parameters Replicate on {axis!r} (shard them over another axis), or drop fsdp={axis!r}")
+        coll = m.collective
+        if coll is not None and coll.axis == axis and coll.op not in ("grad_sync", "grad_sync_bucket"):
+            raise node_error(node, f"the plan makes fxshard communicate on {axis!r} ({coll.op}: {coll.purpose or 'a layout change'}), "
+                                   f"the axis it gives to FSDP2; FSDP2 averages the gradients over it, which is right only "
+                                   f"when every rank's output covers its own share of the batch",
+                             f"leave layouts on {axis!r} as they arrive (the batch Shard(0) from the inputs to the outputs), "
+                             f"or drop fsdp={axis!r} and let fxshard sum the gradients over {axis!r}")
+
+
+def require_fully_shard(gm: fx.GraphModule, axis: str) -> None:
+    """Mark ``gm`` as owing axis ``axis`` to FSDP2: calling it before :func:`fully_shard`
+    raises (its gradients on the axis would never be synced)."""
+    gm.meta["fxshard_fsdp"] = axis
+    gm.register_forward_pre_hook(_check_fully_sharded)
+
+
+def _check_fully_sharded(module, args) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        axis = module.meta.get("fxshard_fsdp")
+        raise PlanError(f"this module's plan gives axis {axis!r} to FSDP2 (Plan(fsdp={axis!r})), so fxshard syncs no "
+                        f"gradient on it, and FSDP2 is not applied yet\n  fix: call fxshard.fully_shard(sharded, mesh) "
+                        f"before the first step (or transform without fsdp= to let fxshard sum the gradients over {axis!r})")

@@ -1,0 +1,311 @@
+"""Running a pipelined program on ``torch.distributed.pipelining``, and one training step
+that reads the same with and without pipeline parallelism."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxshard
+from fxshard.errors import PlanError
+
+from .spec import PipelineSpec
+from .stages import StageCut, cut_stages
+
+
+class PipelinedModule(nn.Module):
+    """This rank's stage(s) of a pipelined model (made by :func:`pipeline_transform`).
+
+    Its parameters and buffers are the stage's, under the model's own FQNs
+    (``named_parameters``, ``state_dict``, an optimizer over ``parameters()`` see this
+    rank's share only); :attr:`stages` are the stage GraphModules (``fxshard.dump``-able),
+    :attr:`stage_ids` their indices.  Run it with :func:`fxshard.pipeline.train_step`.
+
+    Example::
+
+        staged = pipeline_transform(model, plan, fxshard.pipeline("pp", microbatches=4), mesh,
+                                    example_kwargs={"input_ids": ids, "labels": labels})
+        opt = torch.optim.AdamW(staged.parameters())
+        loss = train_step(staged, {"input_ids": ids, "labels": labels}); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, cut: StageCut, spec: PipelineSpec, mesh, all_state: Sequence[tuple[str, torch.Tensor, bool]] = ()):
+        super().__init__()
+        pp_mesh = mesh[spec.axis]
+        self.spec = spec
+        self.pp_size = pp_mesh.size()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.pp_group = pp_mesh.get_group()
+        self.num_stages = spec.num_stages(self.pp_size)
+        self.stage_ids = spec.stages_of_rank(self.pp_rank, self.pp_size)
+        self.input_names = list(cut.inputs)
+        self.loss_program = cut.loss
+        self.cut_summary = cut.describe()
+        self.stage_costs = list(cut.stage_costs)
+        self.boundaries = list(cut.boundaries)
+        # plain attributes, not submodules: the state is registered once, below, under its FQNs
+        vars(self)["stages"] = [cut.stages[i] for i in self.stage_ids]
+        held: dict[int, torch.Tensor] = {}
+        non_persistent: set[str] = set()
+        for st in self.stages:
+            for prefix, m in st.named_modules():
+                non_persistent.update(f"{prefix}.{b}" if prefix else b for b in m._non_persistent_buffers_set)
+            for fqn, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
+                self._register(fqn, t, isinstance(t, nn.Parameter), fqn in non_persistent)
+                held[id(t)] = t
+        for fqn, t, is_param in all_state:  # the model's other names of a held tensor (a tied head)
+            if id(t) in held:
+                self._register(fqn, t, is_param, fqn in non_persistent)
+        self.meta = {}
+        for st in self.stages:
+            for k, v in st.meta.items():
+                if k == "fxshard_state":
+                    self.meta.setdefault(k, {}).update(v)
+                elif k != "fxshard_pipeline_stage":
+                    self.meta.setdefault(k, v)
+        self.meta["fxshard_pipeline"] = {"spec": spec, "stage_ids": self.stage_ids, "num_stages": self.num_stages,
+                                         "pp_size": self.pp_size, "pp_rank": self.pp_rank}
+        for st in self.stages:
+            fxshard.training.grad_norm.track_parameters(st)
+        self._tied = _tied_groups(cut, spec, mesh, self.pp_rank, self.pp_size)
+        line = _pp_line(mesh, spec.axis)
+        self._global_rank_of_pp = line
+        self._schedule = None
+        self._count = None
+
+    def _register(self, fqn: str, t: torch.Tensor, is_param: bool, non_persistent: bool) -> None:
+        owner_path, _, name = fqn.rpartition(".")
+        owner: nn.Module = self
+        for part in owner_path.split(".") if owner_path else ():
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        store = owner._parameters if is_param else owner._buffers
+        store.setdefault(name, t)
+        if non_persistent:
+            owner._non_persistent_buffers_set.add(name)
+
+    def forward(self, *args, **kwargs):
+        raise PlanError("a pipelined module runs its stages under a schedule, not by a call\n  fix: loss = "
+                        "fxshard.pipeline.train_step(staged, inputs) (forward and backward of all micro-batches)")
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def sync_stage_state(self) -> None:
+        """Point the stage GraphModules at this module's tensors again (after something, e.g.
+        ``fxshard.materialize`` or ``load_state_dict(assign=True)``, replaced them by FQN)."""
+        mine = dict(self.named_parameters(remove_duplicate=False))
+        mine.update(self.named_buffers(remove_duplicate=False))
+        for st in self.stages:
+            for fqn, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
+                new = mine.get(fqn)
+                if new is not None and new is not t:
+                    owner_path, _, name = fqn.rpartition(".")
+                    owner = st.get_submodule(owner_path) if owner_path else st
+                    (owner._parameters if name in owner._parameters else owner._buffers)[name] = new
+
+    def schedule(self, loss_fn: Callable):
+        """torch's schedule over this rank's stages (made on the first call)."""
+        if self._schedule is None:
+            from torch.distributed.pipelining import PipelineStage
+
+            device = next((t.device for t in self.parameters()), torch.device("cpu"))
+            stages = [PipelineStage(st, i, self.num_stages, device, group=self.pp_group)
+                      for st, i in zip(self.stages, self.stage_ids)]
+            cls = self.spec.schedule_class
+            try:
+                self._schedule = cls(stages if self.spec.multi_stage else stages[0], n_microbatches=self.spec.microbatches,
+                                     loss_fn=loss_fn, scale_grads=False)
+            except (ValueError, AssertionError, RuntimeError) as e:
+                raise PlanError(f"pipeline: torch's {cls.__name__} refuses this pipeline ({self.num_stages} stages over "
+                                f"{self.pp_size} ranks, {self.spec.microbatches} micro-batches): {e}\n  fix: see the schedule's "
+                                f"requirement above (often: micro-batches a multiple of the {self.spec.axis!r} size)") from e
+        return self._schedule
+
+
+def pipeline_transform(model: nn.Module, plan, spec: PipelineSpec, mesh, example_inputs: Sequence[Any] | None = None,
+                       example_kwargs: dict | None = None, *, targets: Sequence[str] = ("labels",), **transform_kwargs
+                       ) -> PipelinedModule:
+    """Transform ``model`` by ``plan`` (over the mesh axes other than ``spec.axis``), cut the
+    program into stages and keep this rank's: a :class:`PipelinedModule`.
+
+    ``mesh``: the whole ``DeviceMesh``, with ``spec.axis`` among its dims; ``plan`` is built on
+    the sub-mesh of the other dims (``mesh["tp"]``), or is ``None`` (pipeline parallelism alone).
+    ``targets``: inputs only the model's loss reads (HF ``labels``): the loss is cut out of the
+    last stage and computed by the schedule (see :func:`train_step`).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        plan = fxshard.Plan.from_hf(mesh["tp"], model)
+        staged = pipeline_transform(model, plan, fxshard.pipeline("pp", microbatches=4), mesh,
+                                    example_kwargs={"input_ids": ids, "labels": labels})
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if spec.axis not in names:
+        raise PlanError(f"pipeline: axis {spec.axis!r} is no dim of the mesh {names}\n  fix: init_device_mesh(..., "
+                        f"mesh_dim_names=({spec.axis!r}, ...)) and fxshard.pipeline({spec.axis!r}, ...)")
+    if plan is None:
+        plan = fxshard.Plan(_trivial_mesh(mesh, spec.axis), {})
+    plan_axes = tuple(getattr(plan.mesh, "mesh_dim_names", None) or plan.axes)
+    if spec.axis in plan_axes:
+        raise PlanError(f"pipeline: the plan's mesh has the pipeline axis {spec.axis!r}; it shards within a stage\n  fix: "
+                        f"build the plan on the other dims, fxshard.Plan(mesh[{[a for a in names if a != spec.axis]!r}], ...)")
+    gm = fxshard.transform(model, plan, example_inputs, example_kwargs, **transform_kwargs)
+    pp = mesh[spec.axis].size()
+    cut = cut_stages(gm, spec, spec.num_stages(pp), targets)
+    all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
+                [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
+    return PipelinedModule(cut, spec, mesh, all_state)
+
+
+def train_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None, target: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Forward and backward of one batch; returns the loss, the same on every rank.
+
+    Reads the same with and without pipeline parallelism: ``sharded`` is a module from
+    ``fxshard.transform`` (one call ``sharded(**inputs)``, then backward) or a
+    :class:`PipelinedModule` (the batch split into ``spec.microbatches`` micro-batches, run
+    by the schedule).  ``inputs`` are what a call of the model takes (this rank's share as
+    the plan lays it out), e.g. ``{"input_ids": ids, "labels": labels}``.  ``loss_fn=None``:
+    the model's own loss (HF ``labels=``); under pp the loss is the mean over the scored
+    tokens of the whole batch (micro-batches weighted by their token counts), the gradients
+    those of one device on that batch.  ``loss_fn(output, target)``: a loss of the model's
+    output (the last stage's) and ``target``, a mean over a micro-batch; micro-batch losses
+    are averaged.  The optimizer step and ``zero_grad`` stay the caller's.
+
+    Example::
+
+        loss = fxshard.pipeline.train_step(staged, {"input_ids": ids, "labels": labels})
+        opt.step(); opt.zero_grad()
+    """
+    if not isinstance(sharded, PipelinedModule):
+        out = sharded(**inputs)
+        if loss_fn is not None:
+            loss = loss_fn(out, target)
+        else:
+            loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+            if loss is None:
+                raise PlanError("train_step: the model returned no loss\n  fix: pass its labels in inputs, or "
+                                "loss_fn=lambda output, target: ... and target=")
+        loss.backward()
+        return loss.detach()
+    return _pipelined_step(sharded, inputs, loss_fn, target)
+
+
+def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch.Tensor:
+    spec = pm.spec
+    missing = [n for n in pm.input_names if n not in inputs]
+    if missing:
+        raise PlanError(f"train_step: inputs lack {missing}, which the first stage takes ({pm.input_names})\n  fix: "
+                        f"pass every input the model was transformed with")
+    args = [inputs[n] for n in pm.input_names]
+    batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if batch is None or batch % spec.microbatches:
+        raise PlanError(f"train_step: {spec.microbatches} micro-batches do not divide the batch of {batch}\n  fix: "
+                        f"fxshard.pipeline({spec.axis!r}, microbatches=M) with M dividing {batch}, or a batch that "
+                        f"M={spec.microbatches} divides")
+    if loss_fn is None:
+        program = pm.loss_program
+        if program is None:
+            raise PlanError("train_step: the pipelined model has no loss of its own (no target input among the "
+                            "transformed inputs)\n  fix: pass loss_fn=lambda output, target: ... and target=")
+        target = inputs.get(program.target)
+        if target is None:
+            raise PlanError(f"train_step: inputs lack {program.target!r}, which the model's loss reads\n  fix: pass it")
+        # the batch's count of scored tokens: each micro-batch's summed loss is divided by it
+        pm._count = program.count(target).to(torch.float32)
+
+        def schedule_loss(output, tgt):
+            outs = output if isinstance(output, tuple) else (output,)
+            return program.summed(*outs, tgt) / pm._count
+    else:
+        if target is None:
+            raise PlanError("train_step: loss_fn= needs target= (what the schedule splits with the batch and passes as "
+                            "loss_fn(output, target))\n  fix: train_step(staged, inputs, loss_fn, target=labels)")
+        m = spec.microbatches
+
+        def schedule_loss(output, tgt):
+            return loss_fn(output, tgt) / m
+    pm._loss_fn = schedule_loss
+    pm.sync_stage_state()
+    schedule = pm.schedule(lambda output, tgt: pm._loss_fn(output, tgt))
+    losses: list = []
+    step_args = args if pm.holds_first else ()
+    schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
+    if pm.holds_last:
+        total = torch.stack([l.detach().float() for l in losses]).sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=args[0].device if args else "cpu")
+    src = pm._global_rank_of_pp[spec.rank_of_stage(pm.num_stages - 1, pm.pp_size)]
+    dist.broadcast(total, src=src, group=pm.pp_group)
+    _sum_tied_grads(pm)
+    return total
+
+
+# ----------------------------------------------------------------------------- tied parameters
+
+
+def _pp_lines(mesh, axis: str) -> list[list[int]]:
+    """Global ranks of every line of the mesh along ``axis`` (each a pipeline), in a fixed order."""
+    dim = mesh.mesh_dim_names.index(axis)
+    ranks = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim])
+    return [[int(r) for r in row] for row in ranks]
+
+
+def _pp_line(mesh, axis: str) -> list[int]:
+    me = dist.get_rank()
+    return next(line for line in _pp_lines(mesh, axis) if me in line)
+
+
+def _tied_groups(cut: StageCut, spec: PipelineSpec, mesh, pp_rank: int, pp: int) -> list[tuple[Any, list[str]]]:
+    """For each set of pipeline ranks that hold one tied parameter (the embedding and the
+    head): a process group over them, in this rank's pipeline, and the FQNs; Megatron sums
+    their gradients after backward so that the copies stay equal."""
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for fqn, stages in sorted(cut.tied.items()):
+        ranks = tuple(sorted({spec.rank_of_stage(s, pp) for s in stages}))
+        if len(ranks) > 1:
+            by_ranks.setdefault(ranks, []).append(fqn)
+    groups = []
+    me = dist.get_rank()
+    for ranks, fqns in sorted(by_ranks.items()):
+        for line in _pp_lines(mesh, spec.axis):  # every rank makes every group, in one order
+            members = [line[r] for r in ranks]
+            group = dist.new_group(members)
+            if me in members:
+                groups.append((group, fqns))
+    return groups
+
+
+def _sum_tied_grads(pm: PipelinedModule) -> None:
+    params = dict(pm.named_parameters(remove_duplicate=False))
+    for group, fqns in pm._tied:
+        seen = set()
+        for fqn in fqns:
+            p = params.get(fqn)
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+
+
+def _trivial_mesh(mesh, axis: str):
+    """A one-rank sub-mesh for a plan without sharding (pipeline parallelism alone)."""
+    others = [a for a in mesh.mesh_dim_names if a != axis]
+    if others:
+        return mesh[others[0]] if len(others) == 1 else mesh[tuple(others)]
+    raise PlanError(f"pipeline: the mesh has only the pipeline axis {axis!r}, and fxshard's plan needs a mesh of the "
+                    f"other dims\n  fix: init_device_mesh(\"cpu\", (pp, 1), mesh_dim_names=({axis!r}, \"tp\")) and "
+                    f"plan=None (or a plan on mesh[\"tp\"])")

@@ -1,0 +1,90 @@
+"""Pipeline parallelism on real gloo ranks against one device (docs/pipeline.md).
+
+Every case: an HF model (4 blocks, random weights, seeded), transformed with other example
+tensors than it runs with, cut into stages, 2 AdamW steps through ``train_step`` on a batch
+whose labels carry -100 padding.  The loss of each step, the gradients of the first step and
+every full parameter after the steps must equal one device's on the same global batch; each
+rank must hold only its stage's parameters.  Cases are batched into one spawn per world size.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fxshard
+from fxshard.pipeline import pipeline, pipeline_transform, train_step
+from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+
+try:
+    from harness import make_mesh, spawn
+except ImportError:  # tests/ imported as a package
+    from tests.harness import make_mesh, spawn
+
+ATOL = 1e-5
+LR = 1e-3  # AdamW moves every element by about LR: a gradient of the wrong sign shows
+EPS = 1e-6  # AdamW's step is g / (|g| + eps): with torch's 1e-8 a gradient of 1e-9 summed in another order moves by ~LR
+
+
+def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool) -> str:
+    mesh = make_mesh(mesh_shape)
+    model = tiny_model(family, num_hidden_layers=4)
+    ids, labels = tiny_inputs(batch=4, seq=8, seed=1)
+    example_ids, example_labels = tiny_inputs(batch=2, seq=6, seed=2)  # other tensors, other sizes
+    assert (labels == -100).any() and not torch.equal(ids, labels)
+    reference = copy.deepcopy(model)
+    spec = pipeline("pp", microbatches=microbatches, schedule=schedule, virtual=virtual)
+    plan = fxshard.Plan.from_hf(mesh["tp"], model) if tp_plan else None
+    staged = pipeline_transform(model, plan, spec, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels})
+    name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual} stage(s) {staged.stage_ids}"
+    # this rank holds its stages' blocks and no other
+    held_blocks = {b for st in staged.stages for b in st.meta["fxshard_pipeline_stage"]["blocks"]}
+    for fqn, _ in staged.named_parameters(remove_duplicate=False):
+        for i in range(4):
+            block = f".{i}."
+            if block in f".{fqn}" and not any(fqn.startswith(b + ".") for b in held_blocks):
+                raise AssertionError(f"{name}: holds {fqn} of another stage")
+    assert held_blocks and len(held_blocks) < 4, name
+
+    opt = torch.optim.AdamW(staged.parameters(), lr=LR, eps=EPS)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
+    tp_sharded = mesh_shape.get("tp", 1) > 1
+    for step in range(2):
+        loss = train_step(staged, {"input_ids": ids, "labels": labels})
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} loss: {m}")
+        if step == 0 and not tp_sharded:
+            ref_params = dict(reference.named_parameters(remove_duplicate=False))
+            for fqn, p in staged.named_parameters(remove_duplicate=False):
+                torch.testing.assert_close(p.grad, ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+                                           msg=lambda m: f"{name} grad of {fqn}: {m}")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = fxshard.full_state_dict(staged)
+    ref_state = reference.state_dict()
+    assert full, name
+    for fqn, t in full.items():
+        torch.testing.assert_close(t, ref_state[fqn], atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} {fqn} after 2 steps: {m}")
+    return name
+
+
+def _two_ranks(rank: int, world_size: int) -> None:
+    pp = {"pp": 2, "tp": 1}
+    for case in [("llama", pp, "1F1B", 2, 1, False), ("llama", pp, "GPipe", 4, 1, False),
+                 ("llama", pp, "Interleaved1F1B", 2, 2, False), ("gpt2", pp, "1F1B", 4, 1, False)]:
+        _check_case(*case)
+
+
+def _four_ranks(rank: int, world_size: int) -> None:
+    _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True)
+
+
+def test_pp2_llama_schedules_and_gpt2_tied_head_equal_one_device():
+    spawn(_two_ranks, 2)
+
+
+def test_pp2_x_tp2_llama_equal_one_device():
+    spawn(_four_ranks, 4)

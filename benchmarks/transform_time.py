@@ -12,8 +12,8 @@ lands in whichever pass crosses the threshold, so with the GC on one pass can lo
 superlinear (measured: normalize x5.3 from 32 to 64 layers with the GC on, x2.1 with it
 off; the whole transform x2.07 with it off).  The cost should grow linearly with the number of layers: the growth ratio from 32 to
 64 layers should be ~2 (as the node count's).  Each pass of the pipeline is timed
-separately (the functions that ``fxshard/transform.py`` imports from
-``fxshard.passes`` are wrapped), so a superlinear pass shows up by name; ``--profile``
+separately (``fxshard.transform(..., timings=)``: wall time per pass of its ``PIPELINE``,
+by name), so a superlinear pass shows up by name; ``--profile``
 adds a cProfile of the largest transform.
 
     python benchmarks/transform_time.py
@@ -22,10 +22,8 @@ adds a cProfile of the largest transform.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
-import importlib
 import io
 import pstats
 import sys
@@ -39,36 +37,6 @@ from common import RESULTS, describe_machine, fmt_bytes, pyplot, save_plot, tabl
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan  # noqa: E402
 from fxshard.testing.models import llama, llama_plan, tokens  # noqa: E402
-
-_PIPELINE = importlib.import_module("fxshard.transform")  # the module (fxshard.transform is the function)
-
-
-@contextlib.contextmanager
-def timed_passes(sink: dict[str, float]):
-    """Wrap every pass ``fxshard/transform.py`` calls (and its graph copy) to add its
-    wall time to ``sink[name]``; restores them on exit."""
-    names = [n for n, f in vars(_PIPELINE).items()
-             if callable(f) and (getattr(f, "__module__", "") or "").startswith("fxshard.passes.")]
-    names.append("_fresh_copy")
-    originals = {n: getattr(_PIPELINE, n) for n in names}
-
-    def wrap(name, fn):
-        def timed(*a, **k):
-            t0 = time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                sink[name] += time.process_time() - t0
-        return timed
-
-    for n, f in originals.items():
-        setattr(_PIPELINE, n, wrap(n, f))
-    try:
-        yield
-    finally:
-        for n, f in originals.items():
-            setattr(_PIPELINE, n, f)
-
 
 def _clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
@@ -84,8 +52,7 @@ def _trace_and_transform(model, plan: Plan, ids, gc_on: bool):
         w0, c0 = _clocks()
         gm = fxshard.trace(model, plan, (ids,))
         w1, c1 = _clocks()
-        with timed_passes(per_pass):
-            sharded = fxshard.transform(gm, plan)
+        sharded = fxshard.transform(gm, plan, timings=per_pass)  # wall time per pass, by name ("capture": the copy)
         w2, c2 = _clocks()
     finally:
         gc.enable()

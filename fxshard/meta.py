@@ -11,7 +11,7 @@ field              meaning                                             written b
 ``rule``           name of the layout rule that produced ``value``     propagate
 ``redistribute``   ``(src, dst)`` layouts on a boundary marker         propagate
 ``rewrite``        name of a specialized rewrite the node needs        propagate
-``collective``     :class:`Collective` on a communication node         redistribute, grad_sync,
+``collective``     :class:`Collective` on a communication node         redistribute, insert_grad_syncs,
                                                                        bucket_grad_syncs
 =================  ==================================================  =============
 
@@ -21,13 +21,13 @@ field              meaning                                             written b
 (``ModuleSpec(local=True)``, ``fxshard.expert_parallel``).  ``extra["splits"]``
 on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``);
 ``extra["heads"]`` (written by ``regions``): the head count of ``colwise(heads=...)``, and
-``extra["head_replicas"]`` (written by ``replicate_heads``, read by ``grad_sync`` and
+``extra["head_replicas"]`` (written by ``replicate_heads``, read by ``insert_grad_syncs`` and
 ``shard_state``): a :class:`fxshard.layout.HeadReplicas` where the axis has more ranks than
 heads (the node's ``val`` then has the shape with each head stored once per replica).
 ``extra["pattern"]`` (written by ``regions``, read by :func:`fxshard.explain`): the plan
 entry that applies to the node: on a ``get_attr`` the entry whose ``params=`` declared
 its layout, elsewhere the entry of the node's ``region``.
-On a local region's ``call_module`` (written by ``local_regions`` / ``expert_parallel``):
+On a local region's ``call_module`` (written by ``local_regions`` / ``expert_all_to_all``):
 ``extra["region"]`` is ``"carved"`` (its module is now a sub-GraphModule, whose nodes
 carry this same metadata) or ``"as is: <why fx could not trace it>"``;
 ``extra["expert_parallel"]`` says where the all-to-alls went.  Inside a carved region
@@ -36,7 +36,7 @@ carry this same metadata) or ``"as is: <why fx could not trace it>"``;
 the :class:`fxshard.plan.ContextParallel` and FQN of the innermost context-parallel module
 around a node; ``extra["mean_axes"]`` (written by the cross-entropy rule): the
 context-parallel axes a mean loss is taken over (``global_mean_loss``, ``loss_parallel``).
-``extra["distributed_norm"]`` (written by ``regions``, read by ``distributed_norm``): the
+``extra["distributed_norm"]`` (written by ``regions``, read by ``distributed_norm_statistics``): the
 axis of the ``fxshard.distributed_norm`` module around a node; that pass's statistic
 markers are ``region_output`` nodes whose :class:`Boundary` has kind ``"statistic"``.
 ``rewrite`` values: ``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
@@ -222,26 +222,42 @@ class PassContext:
 
         ctx = PassContext.from_plan(plan)
         ctx.axes        # {"dp": 2, "tp": 4}
+        PassContext(axes={"tp": 2})   # enough for a pass that reads only the axes (tests)
         ctx.cp_axes     # {"cp": ContextParallel(method="allgather", load_balance=True)}
     """
 
-    plan: "Plan"
-    mesh: Any  # DeviceMesh, or a MeshSpec when planning offline
-    axes: Mapping[str, int]  # mesh axis -> size, in mesh order
-    fsdp_axes: tuple[str, ...]  # the axis FSDP2 owns (Plan(fsdp=...)), or ()
-    cp_axes: Mapping[str, Any]  # axis -> ContextParallel: the sequence is sharded there
-    load_balanced: tuple[str, ...]  # cp axes whose sequence is split load-balanced
-    block_pattern: re.Pattern | None  # which modules are the transformer blocks (None: module-list items)
-    bucket_cap_bytes: int | None  # gradient-sync bucket size (None: one sync per parameter)
-    example_inputs: tuple | None = None  # flat single-device inputs, when the graph's shapes are still to record
+    plan: "Plan | None" = None
+    mesh: Any = None  # DeviceMesh, or a MeshSpec when planning offline
+    axes: Mapping[str, int] = field(default_factory=dict)  # mesh axis -> size, in mesh order
+    fsdp_axes: tuple[str, ...] = ()  # the axis FSDP2 owns (Plan(fsdp=...)), or ()
+    cp_axes: Mapping[str, Any] = field(default_factory=dict)  # axis -> ContextParallel: the sequence is sharded there
+    load_balanced: tuple[str, ...] = ()  # cp axes whose sequence is split load-balanced
+    block_pattern: re.Pattern | None = None  # which modules are the transformer blocks (None: module-list items)
+    bucket_cap_bytes: int | None = None  # gradient-sync bucket size (None: one sync per parameter)
+    example_inputs: tuple | None = None  # flat single-device inputs: the graph's shapes are still to record
+    shapes_recorded: bool = False  # the capture recorded every node's global shape already
 
     @classmethod
     def from_plan(cls, plan: "Plan", *, blocks: str | None = None, bucket_cap_mb: float | None = 25,
-                  example_inputs: tuple | None = None) -> "PassContext":
+                  example_inputs: tuple | None = None, shapes_recorded: bool = False) -> "PassContext":
         from fxshard.plan.specs import pattern_regex
 
         cp_axes = plan.context_parallel_axes()
         return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=(plan.fsdp,) if plan.fsdp else (),
                    cp_axes=cp_axes, load_balanced=tuple(a for a, cp in cp_axes.items() if cp.load_balance),
                    block_pattern=pattern_regex(blocks) if blocks else None,
-                   bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None, example_inputs=example_inputs)
+                   bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None, example_inputs=example_inputs,
+                   shapes_recorded=shapes_recorded)
+
+
+_BLOCK_ITEM = re.compile(r"(^|\.)\d+$")
+
+
+def block_of(node: fx.Node, pattern: re.Pattern | None = None) -> str:
+    """FQN of the transformer block ``node`` was traced in (by ``nn_module_stack``), or ``""``
+    outside every block.  A block is the outermost item of a module list or dict (``layers.3``,
+    ``model.layers.0``), or the outermost module ``pattern`` matches (``PassContext.block_pattern``)."""
+    for qualname, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if qualname and (pattern.match(qualname) if pattern is not None else _BLOCK_ITEM.search(qualname)):
+            return qualname
+    return ""

@@ -1,51 +1,125 @@
-"""``fxshard.transform``: the pass pipeline.  This list is the table of contents."""
+"""``fxshard.transform``: the pass pipeline.  ``PIPELINE`` below is the table of contents.
+
+Every pass is ``pass_(gm, ctx) -> None``: it rewrites the graph in place, reading the
+plan only through the :class:`~fxshard.meta.PassContext` built once from it, and talks
+to later passes only through the ``node.meta`` contract of :mod:`fxshard.meta`.  Each
+row says what its pass reads and writes; the pass's module docstring says it in full.
+
+Example (stop after a pass, time every pass)::
+
+    timings = {}
+    gm = fxshard.transform(model, plan, example_inputs=(ids,), stop_after="propagate", timings=timings)
+    print(fxshard.dump(gm))     # the layouts, before any rewrite
+    print(timings)              # {"capture": 0.41, "outline_regions": 0.0, ..., "propagate": 0.12}
+"""
 from __future__ import annotations
 
 import contextlib
 import copy
 import gc
+import time
 import traceback
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
-from fxshard.runtime import collectives
 from fxshard.errors import PlanError
-from fxshard.meta import KEY
-from fxshard.plan.plan import Plan
 from fxshard.frontend.capture import flat_inputs
+from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
+from fxshard.meta import KEY, PassContext
+from fxshard.plan.plan import Plan
 from fxshard.state.module_state import add_missing_state, graph_attribute_tensors, named_state
-from fxshard.frontend.trace import keep_codegen, keep_non_persistent, record_shapes, trace
 from fxshard.passes.outline_regions import outline_regions
-from fxshard.passes.normalize import normalize
+from fxshard.passes.record_shapes import record_shapes
+from fxshard.passes.functionalize_leaves import functionalize_leaves
 from fxshard.passes.regions import regions
 from fxshard.passes.replicate_heads import replicate_heads
-from fxshard.passes.distributed_norm import distributed_norm
+from fxshard.passes.distributed_norm_statistics import distributed_norm_statistics
 from fxshard.passes.propagate import propagate
 from fxshard.passes.localize import localize
+from fxshard.passes.context_parallel_attention import context_parallel_attention
 from fxshard.passes.local_regions import local_regions
-from fxshard.passes.expert_parallel import expert_parallel
+from fxshard.passes.expert_all_to_all import expert_all_to_all
 from fxshard.passes.defer_bias import defer_bias
 from fxshard.passes.vocab_parallel_embedding import vocab_parallel_embedding
 from fxshard.passes.loss_parallel import loss_parallel
-from fxshard.passes.context_parallel import context_parallel
 from fxshard.passes.global_mean_loss import global_mean_loss
 from fxshard.passes.redistribute import redistribute
-from fxshard.passes.grad_sync import grad_sync
+from fxshard.passes.insert_grad_syncs import insert_grad_syncs
+from fxshard.passes.check_fsdp_axis import check_fsdp_axis
 from fxshard.passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
+from fxshard.passes.bind_runtime import bind_runtime
 from fxshard.passes.shard_state import shard_state
 from fxshard.passes.cleanup import cleanup
-from fxshard.passes.split_blocks import block_of, split_blocks
-from fxshard.training.fsdp import check_fsdp_axis, require_fully_shard
-from fxshard.training.grad_norm import track_parameters
-from fxshard.plan.specs import pattern_regex
+from fxshard.passes.split_blocks import split_blocks
+from fxshard.passes.register_program import register_program
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One row of the pipeline: a pass, what it reads and writes, and when it runs.
+
+    ``when``: runs only if ``when(ctx)`` (``None``: always).  ``per_rank``: runs under
+    the caller's simulated ranks (``LocalTensorMode``), because it makes per-rank values
+    (the bound mesh, each rank's shards); every other pass sees one global graph.
+    """
+
+    name: str
+    run: Callable[[fx.GraphModule, PassContext], None]
+    reads: str
+    writes: str
+    when: Callable[[PassContext], bool] | None = None
+    per_rank: bool = False
+
+
+def _under_fsdp(ctx: PassContext) -> bool:
+    return bool(ctx.fsdp_axes)
+
+
+PIPELINE: tuple[Pass, ...] = (
+    # -- the captured graph, with global shapes --------------------------------------------------------
+    Pass("outline_regions", outline_regions, "nn_module_stack; plan: local regions", "region sub-GraphModules"),
+    Pass("record_shapes", record_shapes, "ctx.example_inputs", "meta['val'] (global fake tensors)"),
+    # -- the plan, onto the graph ----------------------------------------------------------------------
+    Pass("functionalize_leaves", functionalize_leaves, "leaf call_modules; plan", "F.* calls, region markers"),
+    Pass("regions", regions, "nn_module_stack, markers; plan", "region, declared; extra: splits, heads, pattern, cp, norm"),
+    Pass("replicate_heads", replicate_heads, "extra['heads']", "KV heads stored once per sharing rank; extra['head_replicas']"),
+    Pass("distributed_norm_statistics", distributed_norm_statistics, "extra['distributed_norm']", "statistic markers"),
+    # -- layouts ---------------------------------------------------------------------------------------
+    Pass("propagate", propagate, "declared, meta['val']", "value, rule, redistribute, rewrite; extra['mean_axes']"),
+    # -- the per-rank program --------------------------------------------------------------------------
+    Pass("localize", localize, "value (SizeInfo), rewrite", "local sizes, positions"),
+    Pass("context_parallel_attention", context_parallel_attention, "rewrite == 'context_parallel'", "gathered k/v or ring attention"),
+    Pass("local_regions", local_regions, "declared (LocalRegion)", "carved sub-GraphModules; extra['region'], extra['local']"),
+    Pass("expert_all_to_all", expert_all_to_all, "LocalRegion.experts", "dispatch/combine all-to-alls; extra['expert_parallel']"),
+    Pass("defer_bias", defer_bias, "rewrite == 'defer_bias'", "bias after the reduction"),
+    Pass("vocab_parallel_embedding", vocab_parallel_embedding, "rewrite", "masked lookups"),
+    Pass("loss_parallel", loss_parallel, "rewrite, extra['mean_axes']", "vocab-parallel losses"),
+    Pass("global_mean_loss", global_mean_loss, "rewrite == 'global_mean'", "global-mean cross-entropy"),
+    # -- communication ---------------------------------------------------------------------------------
+    Pass("redistribute", redistribute, "redistribute on markers", "collectives; collective"),
+    Pass("insert_grad_syncs", insert_grad_syncs, "value; extra['head_replicas']", "grad_sync calls; collective"),
+    Pass("check_fsdp_axis", check_fsdp_axis, "value, collective", "nothing (refuses)", when=_under_fsdp),
+    Pass("bucket_grad_syncs", bucket_grad_syncs, "grad_sync calls", "grad_sync_bucket calls; collective"),
+    # -- the program on this rank ----------------------------------------------------------------------
+    Pass("bind_runtime", bind_runtime, "ctx.mesh", "bound mesh, process groups; gm.meta mesh, cp", per_rank=True),
+    Pass("shard_state", shard_state, "value of get_attr", "local shards; gm.meta state, blocks, heads", per_rank=True),
+    Pass("cleanup", cleanup, "collective", "dead code gone; gm.code", per_rank=True),
+    Pass("split_blocks", split_blocks, "nn_module_stack", "block sub-GraphModules; gm.meta fsdp_units", when=_under_fsdp,
+         per_rank=True),
+    Pass("register_program", register_program, "parameters", "parameter registry; FSDP2 guard", per_rank=True),
+)
+
+PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)
 
 
 def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None,
               example_kwargs: dict | None = None, *, capture: str = "auto", dynamic_shapes=None,
-              bucket_cap_mb: float | None = DEFAULT_CAP_MB, blocks: str | None = None) -> fx.GraphModule:
+              bucket_cap_mb: float | None = DEFAULT_CAP_MB, blocks: str | None = None,
+              stop_after: str | None = None, timings: dict[str, float] | None = None) -> fx.GraphModule:
     """Rewrite a model into the per-rank program of ``plan``; returns a new GraphModule.
 
     Example::
@@ -64,69 +138,67 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     ``gm_or_module`` is an ``nn.Module`` (captured with :func:`fxshard.trace`; ``capture``
     and ``dynamic_shapes`` are passed on), a GraphModule from :func:`fxshard.trace`, or
     one from plain ``torch.fx.symbolic_trace`` (then example inputs are required).
-    ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The input is never mutated, also when the transform fails.  The
-    plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
+    ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The
+    input is never mutated, also when the transform fails.  The plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
     ``bucket_cap_mb``: gradient syncs of replicated parameters are coalesced into
     all-reduces of at most this many MiB (DDP's default, 25); ``None`` or ``0``: one
     per parameter.  With ``Plan(fsdp="dp")`` the result calls one submodule per
     transformer block (items of module lists, or the modules ``blocks`` matches, e.g.
     ``"layers.*"``) for :func:`fxshard.fully_shard`, and buckets stay within a block.
+    ``stop_after``: the name of a pass in :data:`PIPELINE`; the graph right after it is
+    returned (for tests and debugging: it is not a runnable program before the last pass).
+    ``timings``: a dict that receives the wall time in seconds of the capture
+    (``"capture"``) and of every pass that ran, by name.
     """
-    with _gc_paused(), _only_plan_errors():
-        with maybe_disable_local_tensor_mode():
-            gm = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
-            axes = plan.axes
-            fsdp_axes = (plan.fsdp,) if plan.fsdp else ()
-            cp_axes = plan.context_parallel_axes()  # {axis: ContextParallel}: the sequence is sharded there
-            load_balanced = tuple(a for a, cp in cp_axes.items() if cp.load_balance)
-            block_rx = pattern_regex(blocks) if blocks else None
-            normalize(gm, plan)
-            regions(gm, plan)
-            replicate_heads(gm, axes)
-            distributed_norm(gm)
-            propagate(gm, axes, fsdp_axes, tuple(cp_axes))
-            localize(gm, axes, load_balanced)
-            context_parallel(gm, axes, cp_axes)
-            local_regions(gm, axes)
-            expert_parallel(gm)
-            defer_bias(gm)
-            vocab_parallel_embedding(gm, axes)
-            loss_parallel(gm, axes)
-            global_mean_loss(gm)
-            redistribute(gm, axes)
-            grad_sync(gm, fsdp_axes)
-            if plan.fsdp:
-                check_fsdp_axis(gm, plan.fsdp)
-            # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
-            bucket_grad_syncs(gm, int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
-                              (lambda n: block_of(n, block_rx)) if plan.fsdp else (lambda n: ""))
-        collectives.bind_mesh(plan.mesh)
-        collectives.bind_replica_groups(gm)  # process groups are made now, on every rank, never while tracing
-        shard_state(gm, plan.mesh)  # under LocalTensorMode: per-rank shards
-        cleanup(gm)
-        gm.meta["fxshard_mesh"] = dict(axes)
-        gm.meta["fxshard_context_parallel"] = {a: {"method": cp.method, "load_balance": cp.load_balance}
-                                               for a, cp in plan.context_parallel_axes().items()}
-        if plan.fsdp:
-            split_blocks(gm, block_rx)
-            require_fully_shard(gm, plan.fsdp)
-        track_parameters(gm)  # fxshard.clip_grad_norm_ on a list of them; torch's own caught
+    if stop_after is not None and stop_after not in PASS_NAMES:
+        raise PlanError(f"stop_after={stop_after!r} is not a pass of fxshard.transform; the passes are {list(PASS_NAMES)}")
+    with _gc_paused():
+        with maybe_disable_local_tensor_mode(), _attributed_to("capture"), _timed("capture", timings):
+            gm, shapes = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
+        ctx = PassContext.from_plan(plan, blocks=blocks, bucket_cap_mb=bucket_cap_mb, example_inputs=shapes,
+                                    shapes_recorded=isinstance(gm_or_module, nn.Module) and not isinstance(gm_or_module, fx.GraphModule))
+        run_pipeline(gm, ctx, stop_after=stop_after, timings=timings)
+    return gm
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, *, stop_after: str | None = None,
+                 timings: dict[str, float] | None = None) -> fx.GraphModule:
+    """Run the passes of :data:`PIPELINE` on ``gm`` in order (in place), up to and including
+    ``stop_after``.  An exception other than a PlanError inside a pass becomes a PlanError
+    that names the pass."""
+    for p in PIPELINE:
+        if p.when is None or p.when(ctx):
+            scope = contextlib.nullcontext() if p.per_rank else maybe_disable_local_tensor_mode()
+            with scope, _attributed_to(p.name), _timed(p.name, timings):
+                p.run(gm, ctx)
+        if p.name == stop_after:
+            break
     return gm
 
 
 @contextlib.contextmanager
-def _only_plan_errors():
+def _timed(name: str, timings: dict[str, float] | None):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if timings is not None:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _attributed_to(name: str):
     """No exception but PlanError leaves ``transform``: a failure inside a pass is
-    reported as one, naming the pass (``propagate`` names the node itself)."""
+    reported as one, naming the pass and the line (``propagate`` names the node itself)."""
     try:
         yield
     except PlanError:
         raise
     except Exception as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/passes/" in f.filename or "/fxshard/" in f.filename]
-        where = f" in {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
-        raise PlanError(f"internal error{where}: {type(e).__name__}: {e}\n  fix: this is a bug in fxshard, please "
-                        f"report it with this message") from e
+        where = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}, {frames[-1].name})" if frames else ""
+        raise PlanError(f"internal error in {'the ' if name == 'capture' else 'pass '}{name}{where}: {type(e).__name__}: {e}\n"
+                        f"  fix: this is a bug in fxshard, please report it with this message") from e
 
 
 @contextlib.contextmanager
@@ -143,22 +215,19 @@ def _gc_paused():
             gc.enable()
 
 
-def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shapes) -> fx.GraphModule:
+def _fresh_copy(obj, plan, example_inputs, example_kwargs, capture, dynamic_shapes) -> tuple[fx.GraphModule, tuple | None]:
+    """The graph the passes rewrite, never the caller's, and the flat example inputs its
+    shapes are still to be recorded from (``None``: recorded already, or none given)."""
     if isinstance(obj, fx.GraphModule):
         gm = _copy_graph_module(obj)
-        outline_regions(gm, plan)  # before shapes: MoE routing cannot run on fake tensors
-        if example_inputs is not None or example_kwargs:
-            record_shapes(gm, flat_inputs(gm, example_inputs or (), example_kwargs))
-        elif any("val" not in n.meta for n in gm.graph.nodes if _makes_tensor(n)):
-            raise PlanError("this GraphModule has no recorded shapes: pass example_inputs= (the single-device inputs) "
-                            "to fxshard.transform, or trace it with fxshard.trace(model, plan, example_inputs)")
-        return _guard_meta_calls(gm)
+        shapes = tuple(flat_inputs(gm, example_inputs or (), example_kwargs)) if (example_inputs is not None or example_kwargs) else None
+        return _guard_meta_calls(gm), shapes
     if isinstance(obj, nn.Module):
         if example_inputs is None and not example_kwargs:
             raise PlanError("transforming an nn.Module needs example_inputs= or example_kwargs= (the single-device inputs)")
         # capture reads the model and never writes it; the copy is of the captured graph
         captured = trace(obj, plan, example_inputs or (), example_kwargs, capture=capture, dynamic_shapes=dynamic_shapes)
-        return _guard_meta_calls(_copy_graph_module(captured))
+        return _guard_meta_calls(_copy_graph_module(captured)), None
     raise PlanError(f"fxshard.transform expects an nn.Module or fx.GraphModule, got {type(obj).__name__}")
 
 
@@ -193,26 +262,6 @@ class _MetaGuard:
                             f"tensor), but it was called on real inputs\n  fix: call fxshard.materialize(sharded, model, "
                             f"device=...) first (then fxshard.load_hf_checkpoint / fxshard.load for trained weights)")
         return None
-
-
-_NON_TENSOR_ATTRS = frozenset({"device", "dtype", "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized"})
-
-
-def _makes_tensor(n: fx.Node) -> bool:
-    """Must ``n`` carry a recorded ``val``?  Shape recording (FakeTensorProp) leaves none on
-    values without a shape: a tensor's ``.device``/``.dtype`` (``torch.arange(T,
-    device=ids.device)``) and a placeholder left at its non-tensor default (``targets=None``)."""
-    import builtins
-
-    import torch
-
-    if n.op in ("output", "get_attr"):
-        return False
-    if n.op == "call_function" and n.target is builtins.getattr and len(n.args) > 1 and n.args[1] in _NON_TENSOR_ATTRS:
-        return False
-    if n.op == "placeholder" and n.args and not isinstance(n.args[0], torch.Tensor):
-        return False  # its default value is used when no example is given for it
-    return True
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

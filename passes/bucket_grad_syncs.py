@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.runtime import collectives
-from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import Collective, PassContext, TensorInfo, block_of, info
 
 DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
 
@@ -55,11 +55,14 @@ class _Member:
         return math.prod(v.local_shape) * v.dtype.itemsize
 
 
-def bucket_grad_syncs(gm: fx.GraphModule, cap_bytes: int | None, unit_of: Callable[[fx.Node], str] = lambda n: "") -> fx.GraphModule:
+def bucket_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Coalesce parameter gradient syncs into buckets of at most ``cap_bytes`` (in place).
     ``cap_bytes=None`` or ``0`` keeps one sync per parameter."""
+    cap_bytes = ctx.bucket_cap_bytes
+    # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
+    unit_of: Callable[[fx.Node], str] = (lambda n: block_of(n, ctx.block_pattern)) if ctx.fsdp_axes else (lambda n: "")
     if not cap_bytes:
-        return gm
+        return
     graph = gm.graph
     while True:  # one round per nesting level of syncs (a parameter replicated on dp and tp)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -85,7 +88,7 @@ def bucket_grad_syncs(gm: fx.GraphModule, cap_bytes: int | None, unit_of: Callab
             if _is_sync(node) and not node.users:
                 graph.erase_node(node)
     graph.lint()
-    return gm
+    return
 
 
 def _is_sync(node: fx.Node) -> bool:

@@ -13,6 +13,7 @@ import torch.fx as fx
 from fxshard.state.module_state import drop_unused_modules
 
 from fxshard.runtime import collectives
+from fxshard.meta import PassContext
 
 _INVERSE = {collectives.shard: collectives.all_gather, collectives.all_gather: collectives.shard}
 
@@ -25,7 +26,7 @@ def mutates(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
 
 
-def cleanup(gm: fx.GraphModule) -> fx.GraphModule:
+def cleanup(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Simplify and recompile (in place)."""
     graph = gm.graph
     for node in list(graph.nodes):
@@ -39,4 +40,4 @@ def cleanup(gm: fx.GraphModule) -> fx.GraphModule:
     graph.lint()
     drop_unused_modules(gm)
     gm.recompile()
-    return gm
+    return

@@ -21,6 +21,7 @@ from fxshard.runtime import collectives
 from fxshard.markers import region_output
 from fxshard.errors import node_error
 from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import PassContext
 
 
 _VIEWS = ("view", "reshape")
@@ -43,7 +44,7 @@ def _boundary_after_views(node: fx.Node, ndim: int) -> fx.Node | None:
     return None
 
 
-def defer_bias(gm: fx.GraphModule) -> fx.GraphModule:
+def defer_bias(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Move biases of Partial-output linears after their reduction (in place)."""
     for node in list(gm.graph.nodes):
         if info(node).rewrite != "defer_bias":
@@ -81,4 +82,4 @@ def defer_bias(gm: fx.GraphModule) -> fx.GraphModule:
         info(add).region = info(node).region
         add.meta["val"] = marker.meta.get("val")
     gm.graph.lint()
-    return gm
+    return

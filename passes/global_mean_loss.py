@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from fxshard.errors import node_error
 from fxshard.runtime.loss import global_mean_cross_entropy
 from fxshard.meta import info
+from fxshard.meta import PassContext
 
 _NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
-def global_mean_loss(gm: fx.GraphModule) -> fx.GraphModule:
+def global_mean_loss(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite mean losses over sequence-sharded tokens (in place)."""
     for node in gm.graph.nodes:
         if info(node).rewrite != "global_mean":
@@ -46,4 +47,4 @@ def global_mean_loss(gm: fx.GraphModule) -> fx.GraphModule:
         info(node).rule = "mean over every rank's tokens"
         info(node).rewrite = None
     gm.recompile()
-    return gm
+    return

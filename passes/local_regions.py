@@ -58,12 +58,14 @@ from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
 from fxshard.runtime.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
 from fxshard.runtime.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
 
-from fxshard.passes.normalize import normalize
+from fxshard.passes.functionalize_leaves import functionalize
 from fxshard.passes.outline_regions import outline
+from fxshard.meta import PassContext
 
 
-def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
+def local_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Carve every local region into a sub-GraphModule, or keep it as is (in place)."""
+    axes = ctx.axes
     checked: set[str] = set()
     for node in list(gm.graph.nodes):
         region = info(node).declared
@@ -90,7 +92,7 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
                                 f"is gone and its compute function / router cannot run on it; trace the model with "
                                 f"fxshard.trace(model, plan, example_inputs) or pass the nn.Module to fxshard.transform")
             carved, why = module, None
-            normalize(carved, None)
+            functionalize(carved)
         else:
             carved, why = _carve(module, forward, _forced_leaves(region))
         if carved is None:
@@ -106,7 +108,7 @@ def local_regions(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         _pass_lifted(gm, node, region, lifted, axes)
         _set_submodule(gm, node.target, carved)
         info(node).extra["region"] = "carved"
-    return gm
+    return
 
 
 # --------------------------------------------------------------------------- what runs
@@ -215,7 +217,7 @@ def _carve(module: nn.Module, forward, forced: set[str]):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     carved = fx.GraphModule(module, graph, type(module).__name__)
     # Functional parameter uses (get_attr edges) for the grad syncs; leaves stay modules.
-    normalize(carved, None)
+    functionalize(carved)
     return carved, None
 
 

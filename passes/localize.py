@@ -29,6 +29,7 @@ from fxshard.errors import node_error
 from fxshard.layout.placements import uneven_dims
 from fxshard.layout.op_rules import piece_sizes, view_groups
 from fxshard.meta import SizeInfo, TensorInfo, info
+from fxshard.meta import PassContext
 
 _SIZED_METHODS = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full"}
 
@@ -47,11 +48,12 @@ def _sizes_slot(node: fx.Node):
     return None
 
 
-def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str, ...] = ()) -> fx.GraphModule:
+def localize(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite literal global sizes of sharded dims to local sizes (in place).
     ``load_balanced``: context-parallel axes whose ranks hold two chunks of the
     sequence each (``context_parallel(load_balance=True)``): positions there are not
     an offset range."""
+    axes, load_balanced = ctx.axes, ctx.load_balanced
     for node in list(gm.graph.nodes):
         if info(node).rewrite == "narrow_positions":
             _narrow_positions(gm.graph, node, load_balanced)
@@ -93,7 +95,7 @@ def localize(gm: fx.GraphModule, axes: dict[str, int], load_balanced: tuple[str,
                 args[start:] = new
             node.args = tuple(args)
     gm.recompile()
-    return gm
+    return
 
 
 def _sharding(out: TensorInfo, d: int) -> frozenset:

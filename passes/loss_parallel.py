@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard
 from fxshard.errors import node_error
 from fxshard.runtime.loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from fxshard.meta import info
+from fxshard.meta import PassContext
 
 
 def _bound(fn, node: fx.Node) -> dict:
@@ -38,10 +39,11 @@ def _vocab_axis(node: fx.Node, x: fx.Node, dim: int) -> str:
     return axes[0]
 
 
-def loss_parallel(gm: fx.GraphModule, axes: dict[str, int] | None = None) -> fx.GraphModule:
+def loss_parallel(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite losses over vocab-sharded logits (in place).  ``axes``: the mesh axis sizes;
     a vocab the axis does not divide is passed on as ``vocab_size=`` (its ranks hold
     unequal ``torch.chunk`` pieces)."""
+    axes = ctx.axes
     for node in gm.graph.nodes:
         if info(node).rewrite != "loss_parallel":
             continue
@@ -77,4 +79,4 @@ def loss_parallel(gm: fx.GraphModule, axes: dict[str, int] | None = None) -> fx.
         info(node).rule = "loss parallel"
         info(node).rewrite = None
     gm.recompile()
-    return gm
+    return

@@ -25,13 +25,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.errors import PlanError, node_error
+from fxshard.meta import PassContext
 
 
-def outline_regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
+def outline_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Outline every local region that was traced inline (in place)."""
+    plan = ctx.plan
     for fqn, mtype in _inline_regions(gm, plan).items():
         outline(gm, fqn, fqn, getattr(mtype, "__name__", "Region"))
-    return gm
+    return
 
 
 def _inline_regions(gm: fx.GraphModule, plan) -> dict[str, type]:

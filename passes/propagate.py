@@ -24,17 +24,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxshard.markers import region_input, region_output
 from fxshard.errors import PlacementMismatchError, PlanError, node_error
 from fxshard.layout.placements import fmt_layout, is_replicate, local_shape, normalize
-from fxshard.meta import KEY, LocalRegion, SizeInfo, TensorInfo, info
+from fxshard.meta import KEY, LocalRegion, PassContext, TensorInfo, info
 from fxshard.layout.dtensor_rules import dtensor_layout
 from fxshard.layout.op_rules import (FILL_LIKE, Ctx, block_slice, measured_rule, measures, rank_dependent_numbers, rule_for,
                            scalar_value, views)
 
 
-def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ...] = (),
-              cp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
+def propagate(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Annotate every node with its layout (in place).  ``fsdp_axes``: the axes whose
     gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention);
     ``cp_axes``: the axes the plan shards the sequence on (``fxshard.context_parallel``)."""
+    axes, fsdp_axes, cp_axes = ctx.axes, ctx.fsdp_axes, tuple(ctx.cp_axes)
     measured = shape_only_values(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -47,7 +47,7 @@ def propagate(gm: fx.GraphModule, axes: dict[str, int], fsdp_axes: tuple[str, ..
             raise node_error(node, f"internal error while deriving this node's layout: {type(e).__name__}: {e}",
                              "this is a bug in fxshard, please report it with this message; meanwhile make this "
                              "op's inputs Replicate in the plan") from e
-    return gm
+    return
 
 
 def shape_only_values(graph: fx.Graph) -> set[fx.Node]:

@@ -33,6 +33,7 @@ from fxshard.markers import is_marker
 from fxshard.layout.placements import fmt_placement, local_shape
 from fxshard.errors import node_error
 from fxshard.meta import Boundary, Collective, TensorInfo, info
+from fxshard.meta import PassContext
 
 
 def _steps(src: dict, dst: dict) -> list[tuple[str, object, object]]:
@@ -118,8 +119,9 @@ def _emit(graph: fx.Graph, x: fx.Node, axis: str, s, d, axes: dict[str, int]):
     raise AssertionError(f"unsupported change {fmt_placement(s)} -> {fmt_placement(d)}")  # propagate rejects these
 
 
-def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
+def redistribute(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Replace boundary markers by collectives (in place)."""
+    axes = ctx.axes
     graph = gm.graph
     emitted: dict[tuple, fx.Node] = {}  # one collective per (value, change): q/k/v share one all-gather
     for node in list(graph.nodes):
@@ -153,4 +155,4 @@ def redistribute(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     graph.lint()
-    return gm
+    return

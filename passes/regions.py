@@ -32,6 +32,7 @@ from fxshard.layout.placements import complete
 from fxshard.meta import Boundary, LocalRegion, info
 from fxshard.plan.plan import is_layout
 from fxshard.plan.specs import for_module_type
+from fxshard.meta import PassContext
 
 
 def module_types(gm: fx.GraphModule) -> dict[str, type]:
@@ -63,8 +64,9 @@ def _pick(value, name: str, position: int | None, first: bool, axes):
     return None
 
 
-def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
+def regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Attach plan declarations and regions to ``node.meta`` (in place)."""
+    plan = ctx.plan
     types = module_types(gm)
     plan.check_patterns(sorted(types))
     specs = {}
@@ -130,7 +132,7 @@ def regions(gm: fx.GraphModule, plan) -> fx.GraphModule:
                 meta.declared = _boundary(node, fqn, name, specs[fqn], types.get(fqn), axes)
         elif node.op == "call_module" and node.target in specs and specs[node.target][1].local:
             meta.declared = _local_region(gm, node, specs, declared_params, axes)
-    return gm
+    return
 
 
 def _local_region(gm, node, specs, declared_params, axes) -> LocalRegion:

@@ -42,6 +42,7 @@ from fxshard.errors import PlanError
 from fxshard.layout.placements import HeadReplicas
 from fxshard.meta import info
 from fxshard.layout.op_rules import rule_for, view_groups
+from fxshard.meta import PassContext
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ _ELEMENTWISE_FN = {operator.add, operator.sub, operator.mul, operator.truediv, o
 _ELEMENTWISE_METHOD = {"add", "sub", "mul", "div", "neg", "__add__"}
 
 
-def replicate_heads(gm: fx.GraphModule, axes: dict) -> fx.GraphModule:
+def replicate_heads(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite the projections planned ``colwise(heads=n)`` on an axis larger than ``n`` (in place)."""
+    axes = ctx.axes
     by_linear: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         heads = info(node).extra.get("heads") if node.op == "get_attr" else None
@@ -108,7 +110,7 @@ def replicate_heads(gm: fx.GraphModule, axes: dict) -> fx.GraphModule:
         by_linear.setdefault(users[0], []).append(node)
     for linear, params in by_linear.items():
         _rewrite(gm, linear, params, axes)
-    return gm
+    return
 
 
 def _sharded_axis(node: fx.Node) -> str | None:

@@ -33,6 +33,7 @@ from fxshard.layout.placements import HeadReplicas, blocks_on, chunk, is_replica
 from fxshard.plan.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
+from fxshard.meta import PassContext
 
 
 def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None,
@@ -61,8 +62,9 @@ def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | N
     return t
 
 
-def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
+def shard_state(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Replace sharded parameters/buffers by local shards (in place)."""
+    mesh = ctx.mesh
     layouts: dict[str, tuple[dict, tuple[int, ...]]] = {}
     blocks: dict[str, tuple[int, ...]] = {}
     heads: dict[str, HeadReplicas] = {}
@@ -109,7 +111,7 @@ def shard_state(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     gm.meta["fxshard_state"] = state
     gm.meta["fxshard_blocks"] = blocks
     gm.meta["fxshard_heads"] = heads
-    return gm
+    return
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:

@@ -21,7 +21,6 @@ Writes: the block submodules; ``gm.meta["fxshard_fsdp_units"]`` (block FQNs, in 
 """
 from __future__ import annotations
 
-import re
 
 import torch.fx as fx
 import torch.nn as nn
@@ -29,20 +28,11 @@ import torch.nn as nn
 from fxshard.state.module_state import add_missing_state, named_state
 
 from fxshard.passes.outline_regions import outline
+from fxshard.meta import PassContext, block_of  # noqa: F401 - block_of: the blocks this pass splits out
 
-_ITEM = re.compile(r"(^|\.)\d+$")
-
-
-def block_of(node: fx.Node, pattern: re.Pattern | None = None) -> str:
-    """FQN of the block ``node`` was traced in, or ``""`` outside every block."""
-    for qualname, _ in (node.meta.get("nn_module_stack") or {}).values():
-        if qualname and (pattern.match(qualname) if pattern is not None else _ITEM.search(qualname)):
-            return qualname
-    return ""
-
-
-def split_blocks(gm: fx.GraphModule, pattern: re.Pattern | None = None) -> fx.GraphModule:
+def split_blocks(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Outline every block into a sub-GraphModule called once (in place)."""
+    pattern = ctx.block_pattern
     blocks: dict[str, str] = {}
     for node in gm.graph.nodes:
         fqn = block_of(node, pattern)
@@ -65,7 +55,7 @@ def split_blocks(gm: fx.GraphModule, pattern: re.Pattern | None = None) -> fx.Gr
     for parent in {fqn.rpartition(".")[0] for fqn in blocks}:
         _as_container(gm, parent, dict_=parent in dicts)
     gm.meta["fxshard_fsdp_units"] = list(blocks)
-    return gm
+    return
 
 
 def _as_container(gm: fx.GraphModule, fqn: str, dict_: bool) -> None:

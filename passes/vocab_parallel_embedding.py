@@ -25,10 +25,12 @@ from fxshard.errors import node_error
 from fxshard.layout.placements import local_shape
 from fxshard.state.shards import chunk_range
 from fxshard.meta import TensorInfo, info
+from fxshard.meta import PassContext
 
 
-def vocab_parallel_embedding(gm: fx.GraphModule, axes: dict[str, int]) -> fx.GraphModule:
+def vocab_parallel_embedding(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite embeddings whose weight is vocab-sharded (in place)."""
+    axes = ctx.axes
     graph = gm.graph
     for node in list(graph.nodes):
         if info(node).rewrite != "vocab_parallel_embedding":
@@ -94,4 +96,4 @@ def vocab_parallel_embedding(gm: fx.GraphModule, axes: dict[str, int]) -> fx.Gra
         node.replace_all_uses_with(last, delete_user_cb=lambda u: u not in (zeroed,))
         info(node).rewrite = None
     graph.lint()
-    return gm
+    return

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from unittest import mock
 
 import pytest
 
@@ -23,32 +22,16 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 
-class _Stop(BaseException):  # not an Exception: transform turns those into PlanErrors
-    def __init__(self, gm):
-        super().__init__("stopped the pipeline")
-        self.gm = gm
-
-
 def _stop_at(name: str, model, plan, example_inputs, run_it: bool):
-    """Run ``fxshard.transform`` until pass ``name`` (a function of
-    ``fxshard/transform.py``'s pipeline); return the graph after it (``run_it``) or
-    before it."""
-    import fxshard  # noqa: F401  (loads fxshard.transform)
+    """The graph of ``fxshard.transform`` right after pass ``name`` (``run_it``) or right
+    before it, by the pipeline's own ``stop_after=``."""
+    import fxshard
+    from fxshard.transform import PASS_NAMES
 
-    pipeline = sys.modules["fxshard.transform"]
-    original = getattr(pipeline, name)
-
-    def stop(gm, *args, **kwargs):
-        if run_it:
-            original(gm, *args, **kwargs)
-        raise _Stop(gm)
-
-    with mock.patch.object(pipeline, name, stop):
-        try:
-            pipeline.transform(model, plan, example_inputs=example_inputs)
-        except _Stop as s:
-            return s.gm
-    raise AssertionError(f"fxshard.transform never ran pass {name!r}")
+    assert name in PASS_NAMES, f"no pass {name!r} in fxshard.transform's PIPELINE: {PASS_NAMES}"
+    i = PASS_NAMES.index(name) + (0 if run_it else -1)
+    assert i >= 0, f"nothing runs before the first pass {name!r}"
+    return fxshard.transform(model, plan, example_inputs=example_inputs, stop_after=PASS_NAMES[i])
 
 
 @pytest.fixture

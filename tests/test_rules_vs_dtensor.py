@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 import fxshard
 from fxshard import PlanError, rules
-from fxshard.meta import KEY, TensorInfo, info
+from fxshard.meta import KEY, PassContext, TensorInfo, info
 from fxshard.passes.localize import localize
 from fxshard.passes.loss_parallel import loss_parallel
 from fxshard.passes.propagate import propagate
@@ -867,7 +867,7 @@ def _run_fx(case: Case, gm0, locs, globals_, refs, mesh):
             if sample.inputs[i].splits is not None:
                 info(n).extra["splits"] = sample.inputs[i].splits
     try:
-        propagate(gm, axes)
+        propagate(gm, PassContext(axes=axes))
     except PlanError as e:
         case.fx = str(e)
         return
@@ -882,9 +882,10 @@ def _run_fx(case: Case, gm0, locs, globals_, refs, mesh):
     # the per-rank program, as fxshard.transform makes it
     deferred = {}
     try:
-        localize(gm, axes)
-        vocab_parallel_embedding(gm, axes)
-        loss_parallel(gm)
+        ctx = PassContext(axes=axes)
+        localize(gm, ctx)
+        vocab_parallel_embedding(gm, ctx)
+        loss_parallel(gm, ctx)
     except PlanError as e:
         case.fx_numbers = f"a later pass refused: {str(e).splitlines()[0][:160]}"
         return

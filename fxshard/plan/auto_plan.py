@@ -222,9 +222,9 @@ def _caller(node: fx.Node, fqn: str, modules: dict) -> str:
 
 
 def _find(gm: fx.GraphModule, model: nn.Module):
-    from fxshard.passes.normalize import normalize  # leaf modules as functional calls, for any capture
+    from fxshard.passes.functionalize_leaves import functionalize  # leaf modules as functional calls, for any capture
 
-    normalize(gm, Plan(MeshSpec(("_",), (1,)), {}))
+    functionalize(gm)
     modules = dict(model.named_modules())
     norms: list[tuple[str | None, int]] = []  # (module, width) of every last-dim reduction: norms
     projections: dict[str, _Projection] = {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed._local_tensor import enabled_local_tensor_mode
-from torch.distributed.tensor import Replicate
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
@@ -75,31 +74,6 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
         torch_fully_shard(sharded, mesh=dp_mesh, **fsdp_kwargs)
     track_parameters(sharded)  # FSDP2 replaced the parameters by DTensors
     return sharded
-
-
-def check_fsdp_axis(gm: fx.GraphModule, axis: str) -> None:
-    """On an axis FSDP2 owns only the batch may be sharded: FSDP2 averages every
-    parameter's gradient there, which is right only for a per-rank objective.  A
-    parameter sharded on the axis, or a collective on it (a gathered batch, a reduced
-    Partial), would train on a wrong gradient (a replicated loss: ``1/n`` of it), so the
-    plan is refused at the node."""
-    from fxshard.errors import node_error
-    from fxshard.meta import TensorInfo, info
-
-    for node in gm.graph.nodes:
-        m = info(node)
-        v = m.value
-        if node.op == "get_attr" and isinstance(v, TensorInfo) and not isinstance(v.layout.get(axis), Replicate):
-            raise node_error(node, f"parameter {node.target!r} is laid out {v.layout[axis]} on {axis!r}, the axis the plan "
-                                   f"gives to FSDP2, which shards parameters there itself",
-                             f"keep parameters Replicate on {axis!r} (shard them over another axis), or drop fsdp={axis!r}")
-        coll = m.collective
-        if coll is not None and coll.axis == axis and coll.op not in ("grad_sync", "grad_sync_bucket"):
-            raise node_error(node, f"the plan makes fxshard communicate on {axis!r} ({coll.op}: {coll.purpose or 'a layout change'}), "
-                                   f"the axis it gives to FSDP2; FSDP2 averages the gradients over it, which is right only "
-                                   f"when every rank's output covers its own share of the batch",
-                             f"leave layouts on {axis!r} as they arrive (the batch Shard(0) from the inputs to the outputs), "
-                             f"or drop fsdp={axis!r} and let fxshard sum the gradients over {axis!r}")
 
 
 def require_fully_shard(gm: fx.GraphModule, axis: str) -> None:

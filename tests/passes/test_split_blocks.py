@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import fxshard
+from fxshard.meta import PassContext
 from fxshard import MeshSpec, Plan
 from fxshard.passes.split_blocks import block_of, split_blocks
 from fxshard.testing.models import gpt2, gpt2_plan, llama, llama_plan, tokens
@@ -52,7 +53,8 @@ def test_split_keeps_the_numbers_and_non_persistent_buffers():
         # (buckets spanning blocks cannot be split: transform buckets per block when it splits)
         plan = Plan(mesh, llama_plan("tp", sequence_parallel=True))
         flat = fxshard.transform(model, plan, (IDS,), bucket_cap_mb=None)
-        split = split_blocks(fxshard.transform(model, plan, (IDS,), bucket_cap_mb=None))
+        split = fxshard.transform(model, plan, (IDS,), bucket_cap_mb=None)
+        split_blocks(split, PassContext.from_plan(plan))
         assert [n.target for n in split.graph.nodes if n.op == "call_module"] == ["layers.0", "layers.1"]
         assert set(split.state_dict()) == set(flat.state_dict())
         assert dict(split.named_buffers()).keys() == dict(flat.named_buffers()).keys()

@@ -23,7 +23,7 @@ def _syncs(gm, axis=None):
 
 def test_megatron_copy_to_tensor_parallel_region(after_pass):
     """One sync per colwise group (q/k/v share one, w1/w3 share one), none elsewhere."""
-    gm = after_pass("grad_sync", llama(n_layers=2), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp")), (IDS,))
+    gm = after_pass("insert_grad_syncs", llama(n_layers=2), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp")), (IDS,))
     syncs = _syncs(gm)
     assert len(syncs) == 4 and all(s.args[1] == "tp" for s in syncs)
     assert [s.args[0].target for s in syncs] == [F.rms_norm] * 4  # the norm outputs entering q/k/v and w1/w3
@@ -35,14 +35,14 @@ def test_megatron_copy_to_tensor_parallel_region(after_pass):
 
 
 def test_collectives_are_not_consumers(after_pass):
-    gm = after_pass("grad_sync", llama(), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp")), (IDS,))
+    gm = after_pass("insert_grad_syncs", llama(), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp")), (IDS,))
     for s in _syncs(gm):
         assert not all(u.target in COLLECTIVES for u in s.users), s.name
 
 
 def test_replicated_parameters_under_a_batch_sharded_axis(after_pass):
     plan = Plan(MeshSpec(("dp", "tp"), (2, 2)), llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}})
-    gm = after_pass("grad_sync", llama(), plan, (IDS,))
+    gm = after_pass("insert_grad_syncs", llama(), plan, (IDS,))
     params = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.meta[KEY].value.requires_grad}
     synced = {s.args[0].target for s in _syncs(gm, "dp") if s.args[0].op == "get_attr"}
     assert synced == params, "every parameter is replicated on dp and meets the dp-sharded batch"
@@ -52,7 +52,7 @@ def test_replicated_parameters_under_a_batch_sharded_axis(after_pass):
 def test_sequence_parallel_folds_the_sync_into_the_gather(after_pass):
     """All-gathered inputs of the colwise groups get their sync folded: the gather's
     backward reduce-scatters, and no separate tp sync follows it."""
-    gm = after_pass("grad_sync", llama(), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp", sequence_parallel=True)), (IDS,))
+    gm = after_pass("insert_grad_syncs", llama(), Plan(MeshSpec(("tp",), (2,)), llama_plan("tp", sequence_parallel=True)), (IDS,))
     gathers = [n for n in gm.graph.nodes if n.target is runtime.all_gather and n.meta[KEY].region
                and n.meta[KEY].region.startswith("layers.")]
     assert len(gathers) == 4 and all(g.kwargs.get("grad") == "partial" for g in gathers)

@@ -48,7 +48,7 @@ def _model():
 
 def test_leaves_become_functional_calls(after_pass):
     model = _model()
-    gm = after_pass("normalize", model, Plan(TP2, {}), (IDS,))
+    gm = after_pass("functionalize_leaves", model, Plan(TP2, {}), (IDS,))
     mods = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     assert mods == ["other"], "only the unknown leaf stays a call_module"
     fns = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -69,7 +69,7 @@ def test_leaves_become_functional_calls(after_pass):
 
 
 def test_new_nodes_keep_module_stack_and_shapes(after_pass):
-    gm = after_pass("normalize", _model(), Plan(TP2, {}), (IDS,))
+    gm = after_pass("functionalize_leaves", _model(), Plan(TP2, {}), (IDS,))
     lin = next(n for n in gm.graph.nodes if n.target is F.linear)
     assert list(lin.meta["nn_module_stack"].values())[-1][0] == "fc1"
     assert tuple(lin.meta["val"].shape) == (2, 4, 12)
@@ -79,7 +79,7 @@ def test_new_nodes_keep_module_stack_and_shapes(after_pass):
 
 def test_planned_leaves_get_boundary_markers(after_pass):
     plan = Plan(TP2, {"fc1": colwise(), "fc2": rowwise(), "ln": ModuleSpec(params={})})
-    gm = after_pass("normalize", _model(), plan, (IDS,))
+    gm = after_pass("functionalize_leaves", _model(), plan, (IDS,))
     marks = [(n.target.__name__, n.args[1], n.args[2]) for n in gm.graph.nodes if n.target in (region_input, region_output)]
     # ln declares no boundary (params only): no markers
     assert marks == [("region_input", "fc1", "input"), ("region_output", "fc1", "output"),
@@ -90,5 +90,5 @@ def test_planned_leaves_get_boundary_markers(after_pass):
 
 def test_local_region_stays_a_module(after_pass):
     plan = Plan(TP2, {"fc1": ModuleSpec(local=True, out_src={"tp": torch.distributed.tensor.Replicate()})})
-    gm = after_pass("normalize", _model(), plan, (IDS,))
+    gm = after_pass("functionalize_leaves", _model(), plan, (IDS,))
     assert "fc1" in [n.target for n in gm.graph.nodes if n.op == "call_module"]

@@ -1,4 +1,4 @@
-"""grad_sync: sum the gradients that each rank holds only a share of.
+"""insert_grad_syncs: sum the gradients that each rank holds only a share of.
 
 With local tensors the gradient of a Replicate value is itself Replicate, *unless*
 a consumer turns it into a non-replicated result on that axis (a replicated
@@ -35,6 +35,7 @@ from torch.distributed.tensor import Replicate
 
 from fxshard.runtime import collectives
 from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import PassContext
 
 
 def _out_layouts(node) -> list[dict]:
@@ -95,8 +96,9 @@ def _sync_head_replicas(gm: fx.GraphModule) -> None:
             u.replace_input_with(p, s)
 
 
-def grad_sync(gm: fx.GraphModule, fsdp_axes: tuple[str, ...] = ()) -> fx.GraphModule:
+def insert_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Insert gradient syncs on replicated-to-sharded consumer edges (in place)."""
+    fsdp_axes = ctx.fsdp_axes
     graph = gm.graph
     _sync_head_replicas(gm)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -133,4 +135,4 @@ def grad_sync(gm: fx.GraphModule, fsdp_axes: tuple[str, ...] = ()) -> fx.GraphMo
                 prefix = key
             consumer.replace_input_with(value, synced[prefix])
     graph.lint()
-    return gm
+    return

@@ -1,4 +1,4 @@
-"""context_parallel: attention over a sequence sharded across the ranks of an axis.
+"""context_parallel_attention: attention over a sequence sharded across the ranks of an axis.
 
 Inside a module the plan declares context-parallel (:func:`fxshard.context_parallel`)
 ``propagate`` lets ``scaled_dot_product_attention`` take q/k/v sharded on the
@@ -34,13 +34,15 @@ from fxshard.runtime.context_parallel_ops import context_parallel_mask, local_po
 from fxshard.errors import PlanError, node_error
 from fxshard.layout.placements import fmt_layout, local_shape
 from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import PassContext
 
 
-def context_parallel(gm: fx.GraphModule, axes: dict[str, int], cp_axes: dict) -> fx.GraphModule:
+def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite the attention of context-parallel modules (in place).  ``cp_axes``:
     ``{axis: ContextParallel}`` (:meth:`fxshard.Plan.context_parallel_axes`)."""
+    axes, cp_axes = ctx.axes, ctx.cp_axes
     if not cp_axes:
-        return gm
+        return
     _refuse_reorders(gm, {a for a, cp in cp_axes.items() if cp.load_balance})
     done = set()
     for node in list(gm.graph.nodes):
@@ -73,7 +75,7 @@ def context_parallel(gm: fx.GraphModule, axes: dict[str, int], cp_axes: dict) ->
     _check_every_module_attends(gm, cp_axes, done)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -1,4 +1,4 @@
-"""distributed_norm: norms over a sharded dim reduce their statistics, not their input.
+"""distributed_norm_statistics: norms over a sharded dim reduce their statistics, not their input.
 
 A ``distributed_norm`` region (OLMo2's q/k norms over the whole projected width)
 receives its input sharded on the normalized dim.  Each of its means and sums is a
@@ -32,11 +32,12 @@ from torch.distributed.tensor import Replicate
 from fxshard.markers import region_output
 from fxshard.errors import node_error
 from fxshard.meta import Boundary, info
+from fxshard.meta import PassContext
 
 _REDUCTIONS = {("call_method", "mean"), ("call_method", "sum"), ("call_function", torch.mean), ("call_function", torch.sum)}
 
 
-def distributed_norm(gm: fx.GraphModule) -> fx.GraphModule:
+def distributed_norm_statistics(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Write out the norms of ``distributed_norm`` regions and mark their statistics (in place)."""
     graph = gm.graph
     for node in list(graph.nodes):
@@ -47,7 +48,7 @@ def distributed_norm(gm: fx.GraphModule) -> fx.GraphModule:
         if axis is not None and (node.op, node.target) in _REDUCTIONS:
             _mark_statistic(graph, node, axis)
     graph.lint()
-    return gm
+    return
 
 
 class _Emitter:

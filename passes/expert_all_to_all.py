@@ -1,4 +1,4 @@
-"""expert_parallel: all-to-all dispatch and combine around the experts of MoE regions.
+"""expert_all_to_all: all-to-all dispatch and combine around the experts of MoE regions.
 
 In every expert-parallel local region (``fxshard.expert_parallel``) the call of the
 experts, ``experts(x, num_tokens_per_expert)``, becomes::
@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxshard.errors import PlanError
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info
 from fxshard.runtime.moe import ExpertParallelSpec, around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
+from fxshard.meta import PassContext
 
 _COLLECTIVES = {
     ep_exchange_counts: ("ep_exchange_counts", "all-to-all (tokens per expert)", "none"),
@@ -39,7 +40,7 @@ _COLLECTIVES = {
 }
 
 
-def expert_parallel(gm: fx.GraphModule) -> fx.GraphModule:
+def expert_all_to_all(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Insert the expert-parallel all-to-alls in every MoE region (in place)."""
     done = set()
     for node in gm.graph.nodes:
@@ -63,7 +64,7 @@ def expert_parallel(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             swap_forward(module.get_submodule(spec.experts), around_experts(spec.axis))
             info(node).extra["expert_parallel"] = "experts forward wrapped"
-    return gm
+    return
 
 
 def _around(graph: fx.Graph, call: fx.Node, axis: str, region: LocalRegion, axes: dict) -> None:

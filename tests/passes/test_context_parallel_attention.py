@@ -1,4 +1,4 @@
-"""passes/context_parallel.py: the attention of context-parallel modules, rewritten."""
+"""passes/context_parallel_attention.py: the attention of context-parallel modules, rewritten."""
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 

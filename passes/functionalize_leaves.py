@@ -1,4 +1,4 @@
-"""normalize: leaf modules that own parameters become functional calls.
+"""functionalize_leaves: leaf modules that own parameters become functional calls.
 
 ``call_module`` nodes of ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
 ``nn.RMSNorm`` (and the parameter-free ``nn.Dropout`` and activation modules) are
@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxshard.meta import PassContext
 from fxshard.markers import region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.state.module_state import drop_unused_modules
@@ -68,8 +69,14 @@ def _has_functional_form(mod: nn.Module) -> bool:
             or type(mod) in _ACTIVATIONS)
 
 
-def normalize(gm: fx.GraphModule, plan) -> fx.GraphModule:
-    """Rewrite parameter-owning leaf modules into functional calls (in place)."""
+def functionalize_leaves(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """The pass: every leaf module of ``gm`` as a functional call (in place)."""
+    functionalize(gm, ctx.plan)
+
+
+def functionalize(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+    """Rewrite parameter-owning leaf modules into functional calls (in place); ``plan``
+    (optional) says which modules are local regions or declare boundaries."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_module" and plan is not None and _is_local_region(plan, node.target):

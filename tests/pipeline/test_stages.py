@@ -1,0 +1,109 @@
+"""The stage cut on one process: stages compose to the program, are dump-able, and bad
+pipeline plans are PlanErrors that name the fix (docs/pipeline.md)."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fxshard
+from fxshard.pipeline import PipelinedModule, cut_stages, pipeline, train_step
+from fxshard.testing.models import llama, tokens
+
+
+
+@contextlib.contextmanager
+def _fake_ranks(mesh_shape: dict):
+    """Rank 0 of a fake process group (no LocalTensorMode: this rank's coordinate is a plain int)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(mesh_shape.values()))
+    try:
+        yield init_device_mesh("cpu", tuple(mesh_shape.values()), mesh_dim_names=tuple(mesh_shape))
+    finally:
+        dist.destroy_process_group()
+
+
+def _program(n_layers: int = 4):
+    model = llama(n_layers=n_layers)
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {})
+    return model, fxshard.transform(model, plan, example_inputs=(tokens(2, 8, 128, seed=3),))
+
+
+def _run_stages(cut, *inputs):
+    values = inputs
+    for st in cut.stages:
+        out = st(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    return values
+
+
+def test_stages_compose_to_the_program_at_other_sizes_and_dump():
+    model, gm = _program()
+    cut = cut_stages(gm, pipeline("pp", split=["layers.1", "layers.3"]), 3)
+    assert cut.blocks == [["layers.0"], ["layers.1", "layers.2"], ["layers.3"]]
+    assert cut.loss is None  # no target input: the last stage returns the logits
+    ids = tokens(3, 5, 128, seed=4)  # another batch and sequence length than the example
+    (logits,) = _run_stages(cut, ids)
+    torch.testing.assert_close(logits, model(ids))
+    # each stage holds its blocks' parameters only; the embedding in the first, the head in the last
+    names = [set(dict(st.named_parameters())) for st in cut.stages]
+    assert "tok_embeddings.weight" in names[0] and "output.weight" in names[2]
+    assert not any(n.startswith("layers.3.") for n in names[0] | names[1])
+    assert not any(n.startswith("layers.0.") for n in names[1] | names[2])
+    for st in cut.stages:
+        assert "linear" in fxshard.dump(st)
+    assert "stage 1: layers.1 .. layers.2" in cut.describe()
+
+
+def test_balanced_split_by_cost():
+    _, gm = _program(n_layers=6)
+    cut = cut_stages(gm, pipeline("pp"), 2)
+    assert sum(cut.stage_costs) == pytest.approx(1.0)
+    # the embedding and the head are counted: neither stage carries over 60% of the cost
+    assert max(cut.stage_costs) < 0.6 and [len(b) for b in cut.blocks] in ([3, 3], [4, 2], [2, 4])
+    four = cut_stages(gm, pipeline("pp"), 4)
+    assert all(four.blocks) and sum(len(b) for b in four.blocks) == 6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(schedule="OneFOneB"), "unknown schedule 'OneFOneB'"),
+    (dict(schedule="Interleaved1F1B"), "virtual=2"),
+    (dict(schedule="1F1B", virtual=2), "runs one stage per rank"),
+    (dict(schedule="ZBVZeroBubble", virtual=3), "exactly 2 stages per rank"),
+    (dict(microbatches=0), "positive int"),
+    (dict(split="layers.2"), "list of module FQNs"),
+])
+def test_bad_pipeline_specs_are_plan_errors(kwargs, message):
+    with pytest.raises(fxshard.PlanError, match="fix:") as e:
+        pipeline("pp", **kwargs)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("stages, split, message", [
+    (5, None, "only 4 transformer blocks"),
+    (2, ["layers.2.attention"], "inside block 'layers.2'"),
+    (2, ["layers.7"], "no transformer block"),
+    (3, ["layers.2"], "3 stages need 2"),
+    (3, ["layers.3", "layers.2"], "in model order"),
+])
+def test_bad_cuts_are_plan_errors(stages, split, message):
+    _, gm = _program()
+    with pytest.raises(fxshard.PlanError, match="fix:") as e:
+        cut_stages(gm, pipeline("pp", split=split), stages)
+    assert message in str(e.value)
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
+    _, gm = _program()
+    cut = cut_stages(gm, pipeline("pp", microbatches=2), 2)
+    with _fake_ranks({"pp": 2, "tp": 1}) as mesh:
+        staged = PipelinedModule(cut, pipeline("pp", microbatches=2), mesh)
+        with pytest.raises(fxshard.PlanError, match="2 micro-batches do not divide the batch of 3"):
+            train_step(staged, {"tokens": tokens(3, 8, 128)}, loss_fn=lambda out, t: out.sum(), target=torch.zeros(3))
+        with pytest.raises(fxshard.PlanError, match="a pipelined module runs its stages under a schedule"):
+            staged(tokens(2, 8, 128))

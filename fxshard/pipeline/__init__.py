@@ -12,7 +12,7 @@ See docs/pipeline.md.
 """
 from .spec import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
-from .train_step import PipelinedModule, pipeline_transform, train_step
+from .train_step import PipelinedModule, clip_grad_norm_, grad_norm, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
-           "train_step"]
+           "train_step", "grad_norm", "clip_grad_norm_"]

@@ -46,6 +46,7 @@ class PipelinedModule(nn.Module):
         self.cut_summary = cut.describe()
         self.stage_costs = list(cut.stage_costs)
         self.boundaries = list(cut.boundaries)
+        self.tied_stages = dict(cut.tied)  # parameter FQN -> the stages that hold a copy
         # plain attributes, not submodules: the state is registered once, below, under its FQNs
         vars(self)["stages"] = [cut.stages[i] for i in self.stage_ids]
         held: dict[int, torch.Tensor] = {}
@@ -309,3 +310,61 @@ def _trivial_mesh(mesh, axis: str):
     raise PlanError(f"pipeline: the mesh has only the pipeline axis {axis!r}, and fxshard's plan needs a mesh of the "
                     f"other dims\n  fix: init_device_mesh(\"cpu\", (pp, 1), mesh_dim_names=({axis!r}, \"tp\")) and "
                     f"plan=None (or a plan on mesh[\"tp\"])")
+
+
+# ----------------------------------------------------------------------------- the gradient norm over stages
+
+
+def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole model's gradient, over every stage and every axis (the same on
+    every rank; a collective).  A tied parameter's copies (equal after :func:`train_step`)
+    count once.
+
+    Example: ``norm = fxshard.pipeline.grad_norm(staged)``
+    """
+    p = float(norm_type)
+    mine = _owned_params(staged)
+    local = fxshard.grad_norm(mine, norm_type) if mine else torch.zeros(())
+    local = local.detach().float().clone()
+    if p == math.inf:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=staged.pp_group)
+        return local
+    power = local if p in (0.0, 1.0) else local.pow(p)  # fxshard.grad_norm took the p-th root over its axes
+    dist.all_reduce(power, group=staged.pp_group)
+    return power if p in (0.0, 1.0) else power.pow(1.0 / p)
+
+
+def clip_grad_norm_(staged: PipelinedModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale this rank's gradients so that the whole model's norm (:func:`grad_norm`, over
+    all stages) is at most ``max_norm``; returns the norm before clipping.  A collective.
+
+    Example::
+
+        loss = fxshard.pipeline.train_step(staged, inputs)
+        fxshard.pipeline.clip_grad_norm_(staged, 1.0)
+        opt.step()
+    """
+    total = grad_norm(staged, norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for q in staged.parameters():
+            if q.grad is not None:
+                q.grad.mul_(coef.to(q.grad.device, q.grad.dtype))
+    return total
+
+
+def _owned_params(staged: PipelinedModule) -> list[torch.Tensor]:
+    """This rank's parameters, a tied one only on the first pipeline rank that holds it."""
+    skip = set()
+    for fqn, stages in staged.tied_stages.items():
+        owner = min(staged.spec.rank_of_stage(s, staged.pp_size) for s in stages)
+        if owner != staged.pp_rank:
+            skip.add(fqn)
+    params = dict(staged.named_parameters(remove_duplicate=False))
+    skipped = {id(params[fqn]) for fqn in skip if fqn in params}
+    out, seen = [], set()
+    for q in params.values():
+        if id(q) not in seen and id(q) not in skipped:
+            out.append(q)
+        seen.add(id(q))
+    return out

@@ -3,7 +3,8 @@
 Every case: an HF model (4 blocks, random weights, seeded), transformed with other example
 tensors than it runs with, cut into stages, 2 AdamW steps through ``train_step`` on a batch
 whose labels carry -100 padding.  The loss of each step, the gradients of the first step and
-every full parameter after the steps must equal one device's on the same global batch; each
+every full parameter after the steps (gradients clipped to a global norm) must equal one
+device's on the same global batch; each
 rank must hold only its stage's parameters.  Cases are batched into one spawn per world size.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import copy
 import torch
 
 import fxshard
-from fxshard.pipeline import pipeline, pipeline_transform, train_step
+from fxshard.pipeline import clip_grad_norm_, pipeline, pipeline_transform, train_step
 from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
 
 try:
@@ -23,6 +24,7 @@ except ImportError:  # tests/ imported as a package
 
 ATOL = 1e-5
 LR = 1e-3  # AdamW moves every element by about LR: a gradient of the wrong sign shows
+MAX_NORM = 0.5
 EPS = 1e-6  # AdamW's step is g / (|g| + eps): with torch's 1e-8 a gradient of 1e-9 summed in another order moves by ~LR
 
 
@@ -54,6 +56,11 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
         ref_loss = reference(input_ids=ids, labels=labels).loss
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} loss: {m}")
+        # the norm over all stages (a tied weight once), and clipping that takes effect
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        norm = clip_grad_norm_(staged, MAX_NORM)
+        torch.testing.assert_close(norm, ref_norm, atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} grad norm: {m}")
+        assert ref_norm > MAX_NORM, f"{name}: clipping at {MAX_NORM} does nothing to a norm of {float(ref_norm)}"
         if step == 0 and not tp_sharded:
             ref_params = dict(reference.named_parameters(remove_duplicate=False))
             for fqn, p in staged.named_parameters(remove_duplicate=False):

@@ -22,7 +22,7 @@ field              meaning                                             written b
 on a ``get_attr`` node: the part sizes of a fused parameter (``colwise(splits=...)``);
 ``extra["heads"]`` (written by ``regions``): the head count of ``colwise(heads=...)``, and
 ``extra["head_replicas"]`` (written by ``replicate_heads``, read by ``insert_grad_syncs`` and
-``shard_state``): a :class:`fxshard.layout.HeadReplicas` where the axis has more ranks than
+``shard_state``): a :class:`fxshard.layout.placements.HeadReplicas` where the axis has more ranks than
 heads (the node's ``val`` then has the shape with each head stored once per replica).
 ``extra["pattern"]`` (written by ``regions``, read by :func:`fxshard.explain`): the plan
 entry that applies to the node: on a ``get_attr`` the entry whose ``params=`` declared
@@ -33,7 +33,7 @@ carry this same metadata) or ``"as is: <why fx could not trace it>"``;
 ``extra["expert_parallel"]`` says where the all-to-alls went.  Inside a carved region
 ``extra["local"]`` is ``(local shape, dtype)`` of a tensor, from one run on zeros.
 ``extra["context_parallel"]`` / ``extra["context_parallel_module"]`` (written by ``regions``):
-the :class:`fxshard.plan.ContextParallel` and FQN of the innermost context-parallel module
+the :class:`fxshard.plan.specs.ContextParallel` and FQN of the innermost context-parallel module
 around a node; ``extra["mean_axes"]`` (written by the cross-entropy rule): the
 context-parallel axes a mean loss is taken over (``global_mean_loss``, ``loss_parallel``).
 ``extra["distributed_norm"]`` (written by ``regions``, read by ``distributed_norm_statistics``): the
@@ -120,9 +120,9 @@ class LocalRegion:
     lives on one rank only (module-list experts) to ``(axis, index)``: the child stays
     on the rank whose coordinate on ``axis`` is ``index``.  ``compute`` is the user's
     function replacing the forward; ``experts`` is the
-    :class:`fxshard.moe.ExpertParallelSpec` of an expert-parallel region, or the
-    :class:`fxshard.routed_experts.RoutedExpertsSpec` of routed experts.  ``blocks``
-    maps the FQN of a packed parameter to its :class:`fxshard.layout.DimBlocks`.
+    :class:`fxshard.runtime.moe.ExpertParallelSpec` of an expert-parallel region, or the
+    :class:`fxshard.runtime.routed_experts.RoutedExpertsSpec` of routed experts.  ``blocks``
+    maps the FQN of a packed parameter to its :class:`fxshard.layout.placements.DimBlocks`.
     """
 
     fqn: str

@@ -14,7 +14,7 @@ list) process the tokens of every rank that chose them, and the results return t
 their tokens in the original order.  Backward: the dispatch sends the gradients back
 with the reverse all-to-all, the combine sends them to the experts' ranks.  When the
 region runs as is (not traceable), the experts module's forward is wrapped instead
-(:func:`fxshard.moe.around_experts`): the same communication, not shown as nodes.
+(:func:`fxshard.runtime.moe.around_experts`): the same communication, not shown as nodes.
 
 Reads:  ``.declared`` (:class:`~fxshard.meta.LocalRegion` with ``.experts``).
 Writes: count exchange / dispatch / combine nodes in the carved region graph, with

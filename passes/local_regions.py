@@ -20,18 +20,18 @@ graph reads the parameter, passes it through ``grad_sync`` and hands it to the c
 so that its sync is bucketed with the others (``bucket_grad_syncs``).  A parameter
 used only inside a leaf child, or in a region that runs as is, enters that module's
 forward through ``grad_sync`` (the module's class gains a forward wrapper, see
-:func:`fxshard.moe.with_grad_sync`).
+:func:`fxshard.runtime.moe.with_grad_sync`).
 
 Routed experts (:func:`fxshard.routed_experts`) always run as is: their own forward on
 their local weights, under ``ep`` with the routing pointed at this rank's experts
-(:func:`fxshard.routed_experts.local_experts_forward`); first the plan entry's sharding is
+(:func:`fxshard.runtime.routed_experts.local_experts_forward`); first the plan entry's sharding is
 checked by running one of its modules on its shards
-(:func:`fxshard.routed_experts.sharding_error`).
+(:func:`fxshard.runtime.routed_experts.sharding_error`).
 
 A ``compute`` function is checked against the module's forward
-(:func:`fxshard.moe.check_compute_signature`) and the region's call is re-bound to
+(:func:`fxshard.runtime.moe.check_compute_signature`) and the region's call is re-bound to
 its parameters.  Module-list experts (``router=``) become an
-:class:`fxshard.moe.ExpertList` with the same FQNs.
+:class:`fxshard.runtime.moe.ExpertList` with the same FQNs.
 
 Reads:  ``.declared`` (:class:`~fxshard.meta.LocalRegion`) and ``.value`` of the
         region's inputs.
@@ -246,7 +246,7 @@ def _outline_experts(carved: fx.GraphModule, region: LocalRegion) -> bool:
 
 def _check_routed_experts(node: fx.Node, module: nn.Module, region: LocalRegion, axes: dict[str, int]) -> None:
     """The ranks' shares of routed experts must add up to one device's output (see
-    :func:`fxshard.routed_experts.sharding_error`): a PlanError otherwise."""
+    :func:`fxshard.runtime.routed_experts.sharding_error`): a PlanError otherwise."""
     spec: RoutedExpertsSpec = region.experts
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
     routed = len(vals) >= 3 and all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals[:3])

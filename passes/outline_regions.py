@@ -10,7 +10,7 @@ node that breaks it.
 
 Runs right after the copy in ``fxshard.transform``, before shapes are recorded
 (data-dependent ops inside an MoE block cannot run on fake tensors; a region runs on
-zeros instead, see ``fxshard.trace.record_shapes``).
+zeros instead, see ``fxshard.frontend.trace.record_shapes``).
 
 Reads:  ``nn_module_stack``; the plan (which modules are local regions).
 Writes: the region submodules; the ``call_module`` node (``nn_module_stack`` up to

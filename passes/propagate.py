@@ -55,7 +55,7 @@ def shape_only_values(graph: fx.Graph) -> set[fx.Node]:
     (``.shape``, ``.size()``, ``torch.ones_like``, ``new_zeros`` ...) or through views,
     indexing and casts that are themselves such values: nanoGPT variants' causal mask
     ``torch.ones_like(att[0, 0], dtype=torch.bool).tril()``.  Their numbers are never
-    read, so only their local shape must be right (:func:`fxshard.rules.measured_rule`)."""
+    read, so only their local shape must be right (:func:`fxshard.layout.op_rules.measured_rule`)."""
     found: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "get_attr", "output") or not node.users:

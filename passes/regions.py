@@ -12,7 +12,7 @@ Writes: ``node.meta["fxshard"].region`` (innermost planned module FQN) on every 
         :class:`fxshard.meta.LocalRegion` on the ``call_module`` of a local region
         (its layouts hold only the axes the plan names); ``.extra["pattern"]``, the
         plan entry that applies to the node; ``.extra["context_parallel"]``, the
-        :class:`fxshard.plan.ContextParallel` of the innermost context-parallel module
+        :class:`fxshard.plan.specs.ContextParallel` of the innermost context-parallel module
         around the node, and ``.extra["context_parallel_module"]`` its FQN;
         ``.extra["distributed_norm"]``, the axis of a ``distributed_norm`` region's
         statistics, on the nodes inside it.

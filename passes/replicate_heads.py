@@ -24,7 +24,7 @@ rows of head ``i // replicas``, ``full_state_dict`` gathers one copy of each hea
 
 Reads:  ``.declared`` and ``extra["heads"]`` of ``get_attr`` nodes; ``node.meta["val"]``.
 Writes: ``node.meta["val"]`` and size literals from each such projection to its
-        attention; ``extra["head_replicas"]`` (a :class:`fxshard.layout.HeadReplicas`)
+        attention; ``extra["head_replicas"]`` (a :class:`fxshard.layout.placements.HeadReplicas`)
         on the parameter's ``get_attr``.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ storage (no full copy of a large model is ever made), and training must not writ
 into the user's model.  On the meta device nothing is allocated.
 The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
 (``{fqn: (layout, global_shape)}``; fused parameters' part sizes in
-``gm.meta["fxshard_blocks"]``, replicated heads' :class:`~fxshard.layout.HeadReplicas` in
+``gm.meta["fxshard_blocks"]``, replicated heads' :class:`~fxshard.layout.placements.HeadReplicas` in
 ``gm.meta["fxshard_heads"]``), from which :func:`fxshard.full_state_dict`
 gathers a full checkpoint and :func:`fxshard.load_full_state_dict` slices one.
 

@@ -299,7 +299,7 @@ def test_real_gloo():
 @pytest.mark.parametrize("kind", ["float", "bool"])
 def test_ring_in_row_chunks(monkeypatch, kind):
     """Long sequences run a ring block a chunk of query rows at a time."""
-    from fxshard import cp_ops
+    from fxshard.runtime import context_parallel_ops as cp_ops
 
     monkeypatch.setattr(cp_ops, "_ROWS", 3)  # 8 local rows: chunks of 3, 3, 2
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))

@@ -58,7 +58,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten
 
 import fxshard
-from fxshard import PlanError, rules
+from fxshard import PlanError
+from fxshard.layout import op_rules as rules
 from fxshard.meta import KEY, PassContext, TensorInfo, info
 from fxshard.passes.localize import localize
 from fxshard.passes.loss_parallel import loss_parallel

@@ -350,7 +350,7 @@ def _cross_entropy_calls(node: fx.Node) -> list[tuple]:
 
 def _mean_calls(node: fx.Node, dtype) -> list[tuple]:
     """A mean over tokens sharded on context-parallel axes: the loss sum and the token
-    count, one all-reduce each per axis (``fxshard.loss._global_mean``)."""
+    count, one all-reduce each per axis (``fxshard.runtime.loss._global_mean``)."""
     axes = node.kwargs.get("mean_axes") or ()
     if node.kwargs.get("reduction", "mean") != "mean":
         return []

@@ -121,7 +121,7 @@ def _sharded(node: fx.Node, axis: str) -> bool:
 
 def _tensor_inputs(node: fx.Node, links: dict | None = None) -> list[fx.Node]:
     """Inputs that are tensors (or tuples of tensors); ints read from shapes are not followed.
-    ``links``: across block calls (:func:`fxshard.dump.block_links`)."""
+    ``links``: across block calls (:func:`fxshard.debug.graph_walk.block_links`)."""
     inputs = [(links or {}).get(a, a) for a in node.all_input_nodes]
     return [a for a in inputs if _layout(a, "") is not None]
 

@@ -89,7 +89,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     ``meta["val"]`` holds a fake tensor with its global shape.  The model is not modified.
     Plain tensor attributes the graph reads (``self.mask = torch.tril(...)``, constants
     export lifts) become non-persistent buffers under the model's FQNs
-    (:func:`fxshard.module_state.register_attribute_buffers`): ``state_dict`` keys stay
+    (:func:`fxshard.state.module_state.register_attribute_buffers`): ``state_dict`` keys stay
     the model's, and ``.to(device)``, ``materialize`` and the plan's layouts reach them.
     """
     if capture not in CAPTURES:

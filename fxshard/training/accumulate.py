@@ -2,7 +2,7 @@
 
 Inside the block, backward passes accumulate each rank's gradient without the
 gradient syncs of parameters: fxshard's bucketed syncs of replicated parameters hold
-their share back (:func:`fxshard.runtime.hold_param_syncs`) and FSDP2 skips its
+their share back (:func:`fxshard.runtime.collectives.hold_param_syncs`) and FSDP2 skips its
 reduce-scatter (``set_requires_gradient_sync(False)``).  The first backward after the
 block adds what was held back and syncs the sum once, so ``k`` micro-batches cost one
 sync per bucket and the result equals one device on the whole batch.  Syncs of

@@ -5,7 +5,7 @@ A transformed module's parameters are this rank's shards, so torch's
 ``clip_grad_norm_`` sees a part of the gradient (at tp=2 every rank computes another
 norm, clips by another factor, and replicated parameters drift apart).  Here each rank
 sums ``|g|^p`` over the boxes it holds, weights each by ``1 / copies`` (how many ranks
-hold the same box: :func:`fxshard.shards.copies`, the one place that knows replicas
+hold the same box: :func:`fxshard.state.shards.copies`, the one place that knows replicas
 over an axis, KV heads shared by ``tp/n`` ranks, FSDP2's dim-0 pieces and experts that
 live on one rank), and the sums are all-reduced over the mesh, one collective per
 axis: each element of the model's gradient is counted exactly once.

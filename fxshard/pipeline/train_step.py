@@ -12,6 +12,8 @@ import torch.nn as nn
 import fxshard
 from fxshard.errors import PlanError
 
+from fxshard.training.grad_norm import track_parameters
+
 from .spec import PipelineSpec
 from .stages import StageCut, cut_stages
 
@@ -70,7 +72,7 @@ class PipelinedModule(nn.Module):
         self.meta["fxshard_pipeline"] = {"spec": spec, "stage_ids": self.stage_ids, "num_stages": self.num_stages,
                                          "pp_size": self.pp_size, "pp_rank": self.pp_rank}
         for st in self.stages:
-            fxshard.training.grad_norm.track_parameters(st)
+            track_parameters(st)
         self._tied = _tied_groups(cut, spec, mesh, self.pp_rank, self.pp_size)
         line = _pp_line(mesh, spec.axis)
         self._global_rank_of_pp = line
@@ -107,12 +109,16 @@ class PipelinedModule(nn.Module):
         mine = dict(self.named_parameters(remove_duplicate=False))
         mine.update(self.named_buffers(remove_duplicate=False))
         for st in self.stages:
+            changed = False
             for fqn, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
                 new = mine.get(fqn)
                 if new is not None and new is not t:
                     owner_path, _, name = fqn.rpartition(".")
                     owner = st.get_submodule(owner_path) if owner_path else st
                     (owner._parameters if name in owner._parameters else owner._buffers)[name] = new
+                    changed = True
+            if changed:  # fxshard.grad_norm finds a parameter's module and layout by the parameter
+                track_parameters(st)
 
     def schedule(self, loss_fn: Callable):
         """torch's schedule over this rank's stages (made on the first call)."""
@@ -323,6 +329,7 @@ def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
     Example: ``norm = fxshard.pipeline.grad_norm(staged)``
     """
     p = float(norm_type)
+    staged.sync_stage_state()
     mine = _owned_params(staged)
     local = fxshard.grad_norm(mine, norm_type) if mine else torch.zeros(())
     local = local.detach().float().clone()

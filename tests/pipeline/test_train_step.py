@@ -28,7 +28,11 @@ MAX_NORM = 0.5
 EPS = 1e-6  # AdamW's step is g / (|g| + eps): with torch's 1e-8 a gradient of 1e-9 summed in another order moves by ~LR
 
 
-def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool) -> str:
+def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool,
+                on_meta: bool = False, save_to: str | None = None) -> str:
+    """``on_meta``: the model is built on the meta device, transformed and cut, only this rank's
+    stage materialized and loaded from the reference's full state dict.  ``save_to``: a
+    checkpoint of the trained stages (and optimizer) is saved there."""
     mesh = make_mesh(mesh_shape)
     model = tiny_model(family, num_hidden_layers=4)
     ids, labels = tiny_inputs(batch=4, seq=8, seed=1)
@@ -36,9 +40,18 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     assert (labels == -100).any() and not torch.equal(ids, labels)
     reference = copy.deepcopy(model)
     spec = pipeline("pp", microbatches=microbatches, schedule=schedule, virtual=virtual)
-    plan = fxshard.Plan.from_hf(mesh["tp"], model) if tp_plan else None
-    staged = pipeline_transform(model, plan, spec, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels})
+    source = model
+    if on_meta:
+        with torch.device("meta"):
+            source = tiny_model(family, num_hidden_layers=4)
+    plan = fxshard.Plan.from_hf(mesh["tp"], source) if tp_plan else None
+    staged = pipeline_transform(source, plan, spec, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels})
     name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual} stage(s) {staged.stage_ids}"
+    if on_meta:
+        assert all(p.is_meta for p in staged.parameters()), name
+        fxshard.materialize(staged, source, device="cpu", init=None)
+        fxshard.load_full_state_dict(staged, model.state_dict(), strict=False)  # the other stages' keys are not this rank's
+        assert not any(p.is_meta for p in staged.parameters()), name
     # this rank holds its stages' blocks and no other
     held_blocks = {b for st in staged.stages for b in st.meta["fxshard_pipeline_stage"]["blocks"]}
     for fqn, _ in staged.named_parameters(remove_duplicate=False):
@@ -70,6 +83,8 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    if save_to is not None:
+        fxshard.save(staged, save_to, optimizer=opt)
     full = fxshard.full_state_dict(staged)
     ref_state = reference.state_dict()
     assert full, name
@@ -85,13 +100,34 @@ def _two_ranks(rank: int, world_size: int) -> None:
         _check_case(*case)
 
 
-def _four_ranks(rank: int, world_size: int) -> None:
-    _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True)
+def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:
+    _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
+
+
+def _reference_after_two_steps(family: str):
+    model = tiny_model(family, num_hidden_layers=4)
+    ids, labels = tiny_inputs(batch=4, seq=8, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for _ in range(2):
+        model(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return model
 
 
 def test_pp2_llama_schedules_and_gpt2_tied_head_equal_one_device():
     spawn(_two_ranks, 2)
 
 
-def test_pp2_x_tp2_llama_equal_one_device():
-    spawn(_four_ranks, 4)
+def test_pp2_x_tp2_llama_from_meta_equal_one_device_and_its_checkpoint_loads_on_one_device(tmp_path):
+    spawn(_four_ranks, 4, str(tmp_path / "ckpt"))
+    # resharding pp=2 x tp=2 -> one device: every parameter is in the checkpoint, as trained
+    model = tiny_model("llama", num_hidden_layers=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fxshard.load(model, str(tmp_path / "ckpt"))
+    want = _reference_after_two_steps("llama").state_dict()
+    for fqn, t in model.state_dict().items():
+        torch.testing.assert_close(t, want[fqn], atol=ATOL, rtol=ATOL, msg=lambda m: f"{fqn} loaded on one device: {m}")

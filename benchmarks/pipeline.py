@@ -86,7 +86,7 @@ def _rank(rank: int, world_size: int, cfg: dict, schedule: str, microbatches: in
     ids = tokens(batch, cfg["seq"], cfg["vocab"], seed=1)
     target = tokens(batch, cfg["seq"], cfg["vocab"], seed=2)
     spec = pipeline("pp", microbatches=microbatches, schedule=schedule)
-    staged = pipeline_transform(model, None, spec, mesh, example_inputs=(tokens(2, cfg["seq"], cfg["vocab"], seed=3),))
+    staged = pipeline_transform(model, None, mesh, example_inputs=(tokens(2, cfg["seq"], cfg["vocab"], seed=3),), spec=spec)
     rows = []
 
     def run_fxshard():

@@ -1,18 +1,33 @@
 """Pipeline parallelism: stages cut from fxshard's graph, run by ``torch.distributed.pipelining``.
 
+This package is also the function :func:`pipeline` (``fxshard.pipeline("pp", microbatches=4)``
+makes the spec; ``fxshard.pipeline.train_step`` etc. are its other names).
+
 Example::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    spec = fxshard.pipeline.pipeline("pp", microbatches=4, schedule="1F1B")
-    staged = fxshard.pipeline.pipeline_transform(model, fxshard.Plan.from_hf(mesh["tp"], model), spec, mesh,
-                                                 example_kwargs={"input_ids": ids, "labels": labels})
-    loss = fxshard.pipeline.train_step(staged, {"input_ids": ids, "labels": labels})
+    plan = fxshard.Plan.from_hf(mesh["tp"], model).replace(pipeline=fxshard.pipeline("pp", microbatches=4))
+    staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs={"input_ids": ids, "labels": labels})
+    loss = fxshard.train_step(staged, {"input_ids": ids, "labels": labels})
 
 See docs/pipeline.md.
 """
+import sys
+import types
+
 from .spec import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
 from .train_step import PipelinedModule, clip_grad_norm_, grad_norm, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
            "train_step", "grad_norm", "clip_grad_norm_"]
+
+
+class _CallablePackage(types.ModuleType):
+    """``fxshard.pipeline(...)`` is :func:`pipeline`, and ``fxshard.pipeline.X`` this package's names."""
+
+    def __call__(self, *args, **kwargs) -> PipelineSpec:
+        return pipeline(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

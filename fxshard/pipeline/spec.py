@@ -118,3 +118,15 @@ def pipeline(axis: str = "pp", microbatches: int = 1, schedule: str = "1F1B", sp
                             f"the first), got {split!r}\n  fix: split=[\"layers.2\"]")
         split = tuple(split)
     return PipelineSpec(axis, microbatches, name, split, virtual)
+
+
+def check_plan_pipeline(spec, plan_axes) -> None:
+    """``Plan(..., pipeline=spec)``: a :class:`PipelineSpec` on an axis the plan does not shard over."""
+    if not isinstance(spec, PipelineSpec):
+        raise PlanError(f"Plan(pipeline=...): expected fxshard.pipeline(\"pp\", ...), got {type(spec).__name__}\n  fix: "
+                        f"Plan(mesh[\"tp\"], specs, pipeline=fxshard.pipeline(\"pp\", microbatches=4))")
+    if spec.axis in plan_axes:
+        others = [a for a in plan_axes if a != spec.axis]
+        raise PlanError(f"Plan(pipeline=...): the pipeline axis {spec.axis!r} is an axis of the plan's mesh {list(plan_axes)}; "
+                        f"a plan shards within a stage\n  fix: build the plan on the other axes, Plan(mesh[{others!r}], ...), "
+                        f"and give the whole mesh to fxshard.pipeline_transform")

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import fxshard
 from fxshard.errors import PlanError
+from fxshard.plan.plan import Plan
+from fxshard.transform import transform
 
-from fxshard.training.grad_norm import track_parameters
+from fxshard.training.grad_norm import grad_norm as fxshard_grad_norm, track_parameters
 
 from .spec import PipelineSpec
 from .stages import StageCut, cut_stages
@@ -139,35 +140,40 @@ class PipelinedModule(nn.Module):
         return self._schedule
 
 
-def pipeline_transform(model: nn.Module, plan, spec: PipelineSpec, mesh, example_inputs: Sequence[Any] | None = None,
-                       example_kwargs: dict | None = None, *, targets: Sequence[str] = ("labels",), **transform_kwargs
-                       ) -> PipelinedModule:
-    """Transform ``model`` by ``plan`` (over the mesh axes other than ``spec.axis``), cut the
+def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[Any] | None = None,
+                       example_kwargs: dict | None = None, *, spec: PipelineSpec | None = None,
+                       targets: Sequence[str] = ("labels",), **transform_kwargs) -> PipelinedModule:
+    """Transform ``model`` by ``plan`` (over the mesh axes other than the pipeline's), cut the
     program into stages and keep this rank's: a :class:`PipelinedModule`.
 
-    ``mesh``: the whole ``DeviceMesh``, with ``spec.axis`` among its dims; ``plan`` is built on
-    the sub-mesh of the other dims (``mesh["tp"]``), or is ``None`` (pipeline parallelism alone).
-    ``targets``: inputs only the model's loss reads (HF ``labels``): the loss is cut out of the
-    last stage and computed by the schedule (see :func:`train_step`).
+    ``mesh``: the whole ``DeviceMesh``, with the pipeline axis among its dims; ``plan`` is built
+    on the sub-mesh of the other dims (``mesh["tp"]``) with ``pipeline=fxshard.pipeline(...)``,
+    or is ``None`` (pipeline parallelism alone; then pass ``spec=``).  ``targets``: inputs only
+    the model's loss reads (HF ``labels``): the loss is cut out of the last stage and computed
+    by the schedule (see :func:`train_step`).  Other keywords go to ``fxshard.transform``.
 
     Example::
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        plan = fxshard.Plan.from_hf(mesh["tp"], model)
-        staged = pipeline_transform(model, plan, fxshard.pipeline("pp", microbatches=4), mesh,
-                                    example_kwargs={"input_ids": ids, "labels": labels})
+        plan = fxshard.Plan.from_hf(mesh["tp"], model).replace(pipeline=fxshard.pipeline("pp", microbatches=4))
+        staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs={"input_ids": ids, "labels": labels})
+        loss = fxshard.train_step(staged, {"input_ids": ids, "labels": labels})
     """
+    spec = spec if spec is not None else getattr(plan, "pipeline", None)
+    if spec is None:
+        raise PlanError("pipeline_transform: no pipeline spec\n  fix: Plan(..., pipeline=fxshard.pipeline(\"pp\", "
+                        "microbatches=M)), or spec=fxshard.pipeline(...) with plan=None")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if spec.axis not in names:
         raise PlanError(f"pipeline: axis {spec.axis!r} is no dim of the mesh {names}\n  fix: init_device_mesh(..., "
                         f"mesh_dim_names=({spec.axis!r}, ...)) and fxshard.pipeline({spec.axis!r}, ...)")
     if plan is None:
-        plan = fxshard.Plan(_trivial_mesh(mesh, spec.axis), {})
+        plan = Plan(_trivial_mesh(mesh, spec.axis), {})
     plan_axes = tuple(getattr(plan.mesh, "mesh_dim_names", None) or plan.axes)
     if spec.axis in plan_axes:
         raise PlanError(f"pipeline: the plan's mesh has the pipeline axis {spec.axis!r}; it shards within a stage\n  fix: "
                         f"build the plan on the other dims, fxshard.Plan(mesh[{[a for a in names if a != spec.axis]!r}], ...)")
-    gm = fxshard.transform(model, plan, example_inputs, example_kwargs, **transform_kwargs)
+    gm = transform(model, plan, example_inputs, example_kwargs, **transform_kwargs)
     pp = mesh[spec.axis].size()
     cut = cut_stages(gm, spec, spec.num_stages(pp), targets)
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
@@ -331,7 +337,7 @@ def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
     p = float(norm_type)
     staged.sync_stage_state()
     mine = _owned_params(staged)
-    local = fxshard.grad_norm(mine, norm_type) if mine else torch.zeros(())
+    local = fxshard_grad_norm(mine, norm_type) if mine else torch.zeros(())
     local = local.detach().float().clone()
     if p == math.inf:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=staged.pp_group)

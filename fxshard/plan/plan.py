@@ -38,15 +38,24 @@ class Plan:
     axis of each rank's gradient, so a per-rank mean loss trains on the global mean),
     and the transformed module calls one submodule per transformer block.
 
+    ``pipeline=fxshard.pipeline("pp", microbatches=M, ...)``: pipeline parallelism over a mesh
+    axis that is not the plan's (its mesh is the sub-mesh of the other axes); run it with
+    :func:`fxshard.pipeline_transform` (docs/pipeline.md).
+
     Validated on construction against the mesh (unknown axes, malformed layouts);
     patterns, parameter names and divisibility are checked against the model by
     ``fxshard.transform``.
     """
 
     def __init__(self, mesh: Mesh, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
-                 *, fsdp: str | None = None):
+                 *, fsdp: str | None = None, pipeline=None):
         self.mesh = mesh
         self.axes = mesh_shape(mesh)
+        if pipeline is not None:
+            from fxshard.pipeline.spec import check_plan_pipeline
+
+            check_plan_pipeline(pipeline, self.axes)
+        self.pipeline = pipeline
         if fsdp is not None and fsdp not in self.axes:
             raise PlanError(f"Plan(fsdp={fsdp!r}): {fsdp!r} is not an axis of the mesh, whose axes are {list(self.axes)}; "
                             f"name the data-parallel axis that FSDP2 shards over")
@@ -133,23 +142,24 @@ class Plan:
     # -- data-like behaviour -------------------------------------------------------------
     def __eq__(self, other) -> bool:
         return (isinstance(other, Plan) and self.axes == other.axes and self.specs == other.specs and self.inputs == other.inputs
-                and self.fsdp == other.fsdp)
+                and self.fsdp == other.fsdp and self.pipeline == other.pipeline)
 
     def replace(self, *, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
-                fsdp: str | None = None) -> "Plan":
+                fsdp: str | None = None, pipeline=None) -> "Plan":
         """A copy with the given fields replaced (the others kept).
 
         Example: ``Plan.from_hf(mesh, model).replace(inputs={"input_ids": {"dp": Shard(0)}}, fsdp="dp")``
         """
         return type(self)(self.mesh, self.specs if specs is None else specs, self.inputs if inputs is None else inputs,
-                          fsdp=self.fsdp if fsdp is None else fsdp)
+                          fsdp=self.fsdp if fsdp is None else fsdp, pipeline=self.pipeline if pipeline is None else pipeline)
 
     def __repr__(self) -> str:
         mesh = ", ".join(f"{a}={n}" for a, n in self.axes.items())
         lines = [f"Plan(mesh({mesh}), {{"]
         lines += [f"    {p!r}: {s!r}," for p, s in self.specs.items()]
         lines.append("}" + (f", inputs={{{', '.join(f'{k!r}: {fmt_layout(v)}' for k, v in self.inputs.items())}}}" if self.inputs else "")
-                     + (f", fsdp={self.fsdp!r}" if self.fsdp else "") + ")")
+                     + (f", fsdp={self.fsdp!r}" if self.fsdp else "") + (f", pipeline={self.pipeline!r}" if self.pipeline else "")
+                     + ")")
         return "\n".join(lines)
 
     # -- conversion from transformers' plans ------------------------------------------------

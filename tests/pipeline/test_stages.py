@@ -107,3 +107,14 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
             train_step(staged, {"tokens": tokens(3, 8, 128)}, loss_fn=lambda out, t: out.sum(), target=torch.zeros(3))
         with pytest.raises(fxshard.PlanError, match="a pipelined module runs its stages under a schedule"):
             staged(tokens(2, 8, 128))
+
+
+def test_plan_carries_the_pipeline_on_another_axis():
+    spec = fxshard.pipeline("pp", microbatches=4)  # the package is also the function
+    assert spec == pipeline("pp", microbatches=4) and fxshard.pipeline.train_step is fxshard.train_step
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {}, pipeline=spec)
+    assert plan.pipeline is spec and plan == plan.replace() and "pipeline=PipelineSpec(axis='pp'" in repr(plan)
+    with pytest.raises(fxshard.PlanError, match=r"the pipeline axis 'pp' is an axis of the plan's mesh.*\n  fix: build the plan"):
+        fxshard.Plan(fxshard.MeshSpec(("pp", "tp"), (2, 2)), {}, pipeline=spec)
+    with pytest.raises(fxshard.PlanError, match="expected fxshard.pipeline"):
+        fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {}, pipeline="pp")

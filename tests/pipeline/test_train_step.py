@@ -44,8 +44,9 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     if on_meta:
         with torch.device("meta"):
             source = tiny_model(family, num_hidden_layers=4)
-    plan = fxshard.Plan.from_hf(mesh["tp"], source) if tp_plan else None
-    staged = pipeline_transform(source, plan, spec, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels})
+    plan = fxshard.Plan.from_hf(mesh["tp"], source).replace(pipeline=spec) if tp_plan else None
+    staged = pipeline_transform(source, plan, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels},
+                                spec=spec if plan is None else None)
     name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual} stage(s) {staged.stage_ids}"
     if on_meta:
         assert all(p.is_meta for p in staged.parameters()), name

@@ -78,6 +78,7 @@ class PipelinedModule(nn.Module):
         line = _pp_line(mesh, spec.axis)
         self._global_rank_of_pp = line
         self._schedule = None
+        self._schedule_shapes: tuple = ()
         self._count = None
 
     def _register(self, fqn: str, t: torch.Tensor, is_param: bool, non_persistent: bool) -> None:
@@ -95,6 +96,22 @@ class PipelinedModule(nn.Module):
     def forward(self, *args, **kwargs):
         raise PlanError("a pipelined module runs its stages under a schedule, not by a call\n  fix: loss = "
                         "fxshard.pipeline.train_step(staged, inputs) (forward and backward of all micro-batches)")
+
+    def describe(self) -> str:
+        """The stages (blocks, balance cost, the values sent to the next stage at the example's
+        shapes), which this rank holds, and the schedule's bubble in theory.
+
+        Example: ``print(staged.describe())``
+        """
+        spec = self.spec
+        lines = [f"pipeline over {spec.axis!r} ({self.pp_size} ranks, {self.num_stages} stages), schedule {spec.schedule}, "
+                 f"{spec.microbatches} micro-batches; this rank ({spec.axis}={self.pp_rank}) holds stage(s) {self.stage_ids}",
+                 *self.cut_summary.splitlines(),
+                 f"bubble in theory (equal stages): {spec.bubble(self.pp_size):.3f} = (pp - 1) / (virtual * M + pp - 1)"]
+        if self.tied_stages:
+            lines.append("tied parameters (gradients summed between their stages): " +
+                         ", ".join(f"{fqn} in stages {ss}" for fqn, ss in sorted(self.tied_stages.items())))
+        return "\n".join(lines)
 
     @property
     def holds_first(self) -> bool:
@@ -121,9 +138,11 @@ class PipelinedModule(nn.Module):
             if changed:  # fxshard.grad_norm finds a parameter's module and layout by the parameter
                 track_parameters(st)
 
-    def schedule(self, loss_fn: Callable):
-        """torch's schedule over this rank's stages (made on the first call)."""
-        if self._schedule is None:
+    def schedule(self, loss_fn: Callable, shapes: tuple = ()):
+        """torch's schedule over this rank's stages, made again when the batch's ``shapes``
+        change (torch's stages size their p2p buffers on their first step)."""
+        if self._schedule is None or self._schedule_shapes != shapes:
+            self._schedule_shapes = shapes
             from torch.distributed.pipelining import PipelineStage
 
             device = next((t.device for t in self.parameters()), torch.device("cpu"))
@@ -251,7 +270,8 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
             return loss_fn(output, tgt) / m
     pm._loss_fn = schedule_loss
     pm.sync_stage_state()
-    schedule = pm.schedule(lambda output, tgt: pm._loss_fn(output, tgt))
+    shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in [*args, target])
+    schedule = pm.schedule(lambda output, tgt: pm._loss_fn(output, tgt), shapes)
     losses: list = []
     step_args = args if pm.holds_first else ()
     schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)

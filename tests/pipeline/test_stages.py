@@ -107,6 +107,9 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
             train_step(staged, {"tokens": tokens(3, 8, 128)}, loss_fn=lambda out, t: out.sum(), target=torch.zeros(3))
         with pytest.raises(fxshard.PlanError, match="a pipelined module runs its stages under a schedule"):
             staged(tokens(2, 8, 128))
+        text = staged.describe()
+        assert "holds stage(s) [0]" in text and "stage 1: layers.2 .. layers.3" in text
+        assert "bubble in theory (equal stages): 0.333" in text  # (2 - 1) / (2 + 2 - 1)
 
 
 def test_plan_carries_the_pipeline_on_another_axis():

@@ -91,6 +91,11 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     assert full, name
     for fqn, t in full.items():
         torch.testing.assert_close(t, ref_state[fqn], atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} {fqn} after 2 steps: {m}")
+    # another batch and sequence length: the schedule is made again for the new shapes
+    ids, labels = tiny_inputs(batch=2 * microbatches, seq=6, seed=3)
+    loss = train_step(staged, {"input_ids": ids, "labels": labels})
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} other shapes loss: {m}")
     return name
 
 

@@ -203,7 +203,9 @@ def _block_stages(gm, nodes, blocks: list[str], spec: PipelineSpec, num_stages: 
     for name in spec.split:
         hits = [i for i, b in enumerate(blocks) if b == name or b.endswith("." + name)]
         if len(hits) != 1:
-            inner = [b for b in blocks if name.startswith(b + ".") or ("." + name).find("." + b + ".") >= 0]
+            parts = name.split(".")
+            prefixes = [".".join(parts[:k]) for k in range(1, len(parts))]  # "layers.2" of "layers.2.mlp"
+            inner = [b for b in blocks if any(b == p or b.endswith("." + p) for p in prefixes)]
             if inner:
                 raise PlanError(f"pipeline: split point {name!r} is inside block {inner[0]!r}; a stage holds whole blocks\n"
                                 f"  fix: split at the block, e.g. split=[..., {inner[0]!r}, ...]")

@@ -69,6 +69,10 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
 
     Example: ``norm = fxshard.grad_norm(sharded)``
     """
+    if "fxshard_pipeline" in getattr(module_or_params, "meta", {}):  # this rank's stages only: not the model's norm
+        raise PlanError("fxshard.grad_norm / clip_grad_norm_ on a pipelined module would take this stage's norm only\n"
+                        "  fix: fxshard.pipeline.grad_norm(staged) / fxshard.pipeline.clip_grad_norm_(staged, max_norm) "
+                        "(the norm over all stages)")
     groups = _by_module(module_or_params)
     p = float(norm_type)
     total = None

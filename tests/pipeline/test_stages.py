@@ -87,6 +87,7 @@ def test_bad_pipeline_specs_are_plan_errors(kwargs, message):
 @pytest.mark.parametrize("stages, split, message", [
     (5, None, "only 4 transformer blocks"),
     (2, ["layers.2.attention"], "inside block 'layers.2'"),
+    (2, ["layers.2.attention.wq"], "inside block 'layers.2'"),
     (2, ["layers.7"], "no transformer block"),
     (3, ["layers.2"], "3 stages need 2"),
     (3, ["layers.3", "layers.2"], "in model order"),
@@ -107,6 +108,8 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
             train_step(staged, {"tokens": tokens(3, 8, 128)}, loss_fn=lambda out, t: out.sum(), target=torch.zeros(3))
         with pytest.raises(fxshard.PlanError, match="a pipelined module runs its stages under a schedule"):
             staged(tokens(2, 8, 128))
+        with pytest.raises(fxshard.PlanError, match="fxshard.pipeline.clip_grad_norm_"):
+            fxshard.clip_grad_norm_(staged, 1.0)
         text = staged.describe()
         assert "holds stage(s) [0]" in text and "stage 1: layers.2 .. layers.3" in text
         assert "bubble in theory (equal stages): 0.333" in text  # (2 - 1) / (2 + 2 - 1)

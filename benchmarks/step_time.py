@@ -32,6 +32,10 @@ tp``, each rank steps on its dp half of the batch, and the contenders are
   FSDP2's ``fully_shard`` on every block and the root over ``dp`` (the reference);
 * ``fxshard``: ``fxshard.transform`` with ``Plan(..., fsdp="dp")``, then
   ``fxshard.fully_shard(sharded, mesh)``;
+* ``fxshard_dp_sync``, ``fxshard_dp_overlap``: fxshard sums the gradients over dp itself
+  (DDP's buckets, ``bench.DP_BUCKET_MB`` each), ``transform(..., overlap_grad_syncs=False)``
+  (each bucket waited on at once) and ``True`` (started in the backward, waited on at its
+  end); the overlap's gain is printed, and its losses must equal the synchronous ones;
 
 results in ``results/step_time_fsdp.json``.
 
@@ -162,11 +166,42 @@ def main(argv=None) -> int:
             print(f"plot: {png}")
     if profile_dir:
         print_profiles(rows, profile_dir, suite)
+    if args.model == "llama-fsdp":
+        print()
+        for line in overlap_lines(rows):
+            print(line)
     bad = [r for r in rows if "max_loss_diff" in r and not r["max_loss_diff"] <= 1e-4]
+    bad += [r for r in rows if r["contender"] == "fxshard_dp_overlap" and not _same_losses_as_sync(rows, r)]
     if bad:
         print(f"\nERROR: losses of {[(r['size'], r['mode'], r['contender']) for r in bad]} differ from the reference")
         return 1
     return 0
+
+
+def _sync_row(rows, row):
+    return next((r for r in rows if (r["size"], r["mode"], r["contender"]) == (row["size"], row["mode"], "fxshard_dp_sync")
+                 and "losses" in r), None)
+
+
+def _same_losses_as_sync(rows, row) -> bool:
+    """The overlapped contender's losses are the synchronous one's, bitwise, at every step."""
+    sync = _sync_row(rows, row)
+    return "losses" not in row or sync is None or row["losses"] == sync["losses"]
+
+
+def overlap_lines(rows) -> list[str]:
+    """Per (size, mode): the step time with the gradient syncs overlapped and without, and
+    whether every step's loss is the same."""
+    out = []
+    for r in rows:
+        sync = _sync_row(rows, r) if r["contender"] == "fxshard_dp_overlap" and "median_ms" in r else None
+        if sync is not None:
+            same = "bitwise equal" if r["losses"] == sync["losses"] else (
+                f"DIFFER (max {max(abs(a - b) for a, b in zip(r['losses'], sync['losses'])):.1e})")
+            out.append(f"{r['size']:<6} {r['mode']:<10} overlapped grad syncs {r['median_ms']:.2f} ms vs synchronous "
+                       f"{sync['median_ms']:.2f} ms (overlap/sync = {r['median_ms'] / sync['median_ms']:.2f}); "
+                       f"losses over {len(r['losses'])} steps: {same}")
+    return out
 
 
 def _fmt_load(load) -> str:

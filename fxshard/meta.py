@@ -234,19 +234,22 @@ class PassContext:
     load_balanced: tuple[str, ...] = ()  # cp axes whose sequence is split load-balanced
     block_pattern: re.Pattern | None = None  # which modules are the transformer blocks (None: module-list items)
     bucket_cap_bytes: int | None = None  # gradient-sync bucket size (None: one sync per parameter)
+    overlap_grad_syncs: bool = False  # buckets wait at the end of the backward, not at once
     example_inputs: tuple | None = None  # flat single-device inputs: the graph's shapes are still to record
     shapes_recorded: bool = False  # the capture recorded every node's global shape already
 
     @classmethod
     def from_plan(cls, plan: "Plan", *, blocks: str | None = None, bucket_cap_mb: float | None = 25,
-                  example_inputs: tuple | None = None, shapes_recorded: bool = False) -> "PassContext":
+                  overlap_grad_syncs: bool = False, example_inputs: tuple | None = None,
+                  shapes_recorded: bool = False) -> "PassContext":
         from fxshard.plan.specs import pattern_regex
 
         cp_axes = plan.context_parallel_axes()
         return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=(plan.fsdp,) if plan.fsdp else (),
                    cp_axes=cp_axes, load_balanced=tuple(a for a, cp in cp_axes.items() if cp.load_balance),
                    block_pattern=pattern_regex(blocks) if blocks else None,
-                   bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None, example_inputs=example_inputs,
+                   bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
+                   overlap_grad_syncs=overlap_grad_syncs, example_inputs=example_inputs,
                    shapes_recorded=shapes_recorded)
 
 

@@ -118,7 +118,7 @@ PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)
 
 def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None,
               example_kwargs: dict | None = None, *, capture: str = "auto", dynamic_shapes=None,
-              bucket_cap_mb: float | None = DEFAULT_CAP_MB, blocks: str | None = None,
+              bucket_cap_mb: float | None = DEFAULT_CAP_MB, overlap_grad_syncs: bool = True, blocks: str | None = None,
               stop_after: str | None = None, timings: dict[str, float] | None = None) -> fx.GraphModule:
     """Rewrite a model into the per-rank program of ``plan``; returns a new GraphModule.
 
@@ -142,7 +142,9 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     input is never mutated, also when the transform fails.  The plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
     ``bucket_cap_mb``: gradient syncs of replicated parameters are coalesced into
     all-reduces of at most this many MiB (DDP's default, 25); ``None`` or ``0``: one
-    per parameter.  With ``Plan(fsdp="dp")`` the result calls one submodule per
+    per parameter.  ``overlap_grad_syncs``: a bucket's all-reduce is started when its last
+    gradient is ready and waited on at the end of the backward, as DDP does (see
+    :func:`fxshard.grad_sync_bucket`); ``False``: waited on at once.  With ``Plan(fsdp="dp")`` the result calls one submodule per
     transformer block (items of module lists, or the modules ``blocks`` matches, e.g.
     ``"layers.*"``) for :func:`fxshard.fully_shard`, and buckets stay within a block.
     ``stop_after``: the name of a pass in :data:`PIPELINE`; the graph right after it is
@@ -155,7 +157,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     with _gc_paused():
         with maybe_disable_local_tensor_mode(), _attributed_to("capture"), _timed("capture", timings):
             gm, shapes = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
-        ctx = PassContext.from_plan(plan, blocks=blocks, bucket_cap_mb=bucket_cap_mb, example_inputs=shapes,
+        ctx = PassContext.from_plan(plan, blocks=blocks, bucket_cap_mb=bucket_cap_mb, overlap_grad_syncs=overlap_grad_syncs,
+                                    example_inputs=shapes,
                                     shapes_recorded=isinstance(gm_or_module, nn.Module) and not isinstance(gm_or_module, fx.GraphModule))
         run_pipeline(gm, ctx, stop_after=stop_after, timings=timings)
     return gm

@@ -17,6 +17,8 @@ once the last of them is complete.
   last first, and a bucket is closed when the next member would take it past
   ``cap_bytes`` (local bytes, DDP's ``bucket_cap_mb``).  The bucket node sits just
   before the first use among its members.
+* ``ctx.overlap_grad_syncs``: a bucket of parameters gets ``overlap=True`` (its
+  all-reduce is waited on at the end of the backward, not at once), except under FSDP2.
 * ``unit_of(node)`` names the unit a use belongs to; a bucket never mixes units.
   Under FSDP2 each transformer block is a unit (its parameters exist, unsharded, only
   while the block runs); otherwise the whole graph is one.
@@ -63,6 +65,8 @@ def bucket_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
     unit_of: Callable[[fx.Node], str] = (lambda n: block_of(n, ctx.block_pattern)) if ctx.fsdp_axes else (lambda n: "")
     if not cap_bytes:
         return
+    # FSDP2's post-backward hook reads a block's gradients before the backward ends: no overlap there
+    overlap = ctx.overlap_grad_syncs and not ctx.fsdp_axes
     graph = gm.graph
     while True:  # one round per nesting level of syncs (a parameter replicated on dp and tp)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -83,7 +87,7 @@ def bucket_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
             break
         for (unit, axis, op, replicas), members in groups.items():
             for bucket in _fill(sorted(members.values(), key=lambda m: -m.first), cap_bytes):
-                _make_bucket(graph, bucket, axis, op, order, replicas)
+                _make_bucket(graph, bucket, axis, op, order, replicas, overlap)
         for node in list(graph.nodes):
             if _is_sync(node) and not node.users:
                 graph.erase_node(node)
@@ -132,13 +136,16 @@ def _fill(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:
     return [b for b in buckets if b]
 
 
-def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, order: dict, replicas: int | None) -> None:
+def _make_bucket(graph: fx.Graph, bucket: list[_Member], axis: str, op: str, order: dict, replicas: int | None,
+                 overlap: bool) -> None:
     anchor = min((u for m in bucket for u in m.uses), key=lambda u: order[u])
     stack = _unit_stack(bucket)
     values = tuple(info(m.source).value for m in bucket)
     kwargs = {"op": op} if op != "sum" else {}
     if replicas:  # replicated heads: summed over the ranks sharing each head only
         kwargs["replicas"] = replicas
+    if overlap and all(m.source.op == "get_attr" for m in bucket):  # a view's or a bucket's gradient is needed at once
+        kwargs["overlap"] = True
     for m in bucket:  # a get_attr is made just before its own use, maybe after the anchor
         _hoist(m.source, anchor, order)
     with graph.inserting_before(anchor):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 from typing import Any, Optional
 
@@ -61,6 +62,7 @@ __all__ = [
     "reduce_over",
     "hold_param_syncs",
     "held_back",
+    "started_grad_syncs",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -218,8 +220,10 @@ def _check_divisible(x: torch.Tensor, dim: int, ax: _Axis, op: str) -> None:
 # --------------------------------------------------------------------------- raw collectives
 
 
-def raw_all_reduce(x: torch.Tensor, ax: _Axis, op: str = "sum") -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), op, ax.group_name))
+def raw_all_reduce(x: torch.Tensor, ax: _Axis, op: str = "sum", wait: bool = True) -> torch.Tensor:
+    """``wait=False``: the all-reduce is only issued; ``_c10d.wait_tensor`` of the result waits."""
+    reduced = _c10d.all_reduce(x.contiguous(), op, ax.group_name)
+    return _c10d.wait_tensor(reduced) if wait else reduced
 
 
 def _padded(x: torch.Tensor, dim: int, length) -> torch.Tensor:
@@ -477,29 +481,103 @@ class _GradSync(torch.autograd.Function):
 class _GradSyncBucket(torch.autograd.Function):
     """Identity on several tensors; backward all-reduces their gradients as one flat
     buffer.  Autograd runs it once every output's gradient is complete, as DDP fires a
-    bucket once its last gradient is ready."""
+    bucket once its last gradient is ready.  ``overlap``: the all-reduce is only started
+    there, and waited on at the end of the backward (:func:`_start_bucket`)."""
 
     @staticmethod
-    def forward(ctx, ax, op, *xs):
+    def forward(ctx, ax, op, overlap, *xs):
         ctx.ax, ctx.op, ctx.params = ax, op, _leaf_params(xs)
+        # a compiled graph waits where it reduces (no autograd-engine callback in a traced
+        # backward); inductor may still move the wait (reorder_for_compute_comm_overlap)
+        ctx.overlap = overlap and not torch.compiler.is_compiling()
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *gs):
         gs = _hold_or_add(ctx.params, gs, ctx.ax)
         if gs is None:
-            return (None, None) + (None,) * len(ctx.params)
+            return (None, None, None) + (None,) * len(ctx.params)
         # mixed precision (FSDP2's param_dtype) may hand gradients of several dtypes:
         # reduce in the widest one, return each in its own
         dtype = gs[0].dtype
         for g in gs[1:]:
             dtype = torch.promote_types(dtype, g.dtype)
         flat = torch.cat([g.reshape(-1).to(dtype) for g in gs])
+        if ctx.overlap and _accumulated_by_engine(ctx):
+            _start_bucket(flat, ctx.ax, ctx.op, ctx.params, gs)
+            return (None, None, None) + (None,) * len(ctx.params)
         flat = raw_all_reduce(flat, ctx.ax)
         if ctx.op == "avg":
             flat = flat / ctx.ax.size
         parts = flat.split([g.numel() for g in gs])
-        return (None, None) + tuple(p.view(g.shape).to(g.dtype) for p, g in zip(parts, gs))
+        return (None, None, None) + tuple(p.view(g.shape).to(g.dtype) for p, g in zip(parts, gs))
+
+
+# --------------------------------------------------------------------------- overlapped bucket syncs
+#
+# DDP's overlap: a bucket's all-reduce is started in its backward and waited on at the end
+# of that backward (a callback of the autograd engine), while autograd computes the
+# gradients of the earlier layers.  The bucket hands autograd no gradient; the callback
+# adds the reduced one into each parameter's ``.grad``, as autograd's AccumulateGrad would
+# have (``.grad`` may hold an earlier micro-batch's gradient, or the parameter's other uses').
+_STARTED: dict[int, list[tuple]] = {}  # autograd graph task id -> the buckets started in it, in order
+
+
+def started_grad_syncs() -> int:
+    """How many bucket all-reduces are started and not yet waited on (0 after every
+    backward that finished)."""
+    return sum(len(started) for started in _STARTED.values())
+
+
+def _accumulated_by_engine(ctx) -> bool:
+    """Whether this backward would add the bucket's gradients into its tensors' ``.grad``
+    and nothing else: every member is a parameter whose AccumulateGrad this backward runs
+    (``.backward()``, not ``torch.autograd.grad``, nor ``backward(inputs=...)`` leaving
+    one out), without ``create_graph`` and without gradient hooks on the parameters.
+    Anything else takes the synchronous path, which returns the gradients to autograd."""
+    if torch.is_grad_enabled() or not ctx.params or any(p is None for p in ctx.params):
+        return False
+    for (node, _), p in zip(ctx.next_functions, ctx.params):
+        if not isinstance(node, torch._C._functions.AccumulateGrad) or p._backward_hooks \
+                or getattr(p, "_post_accumulate_grad_hooks", None):
+            return False
+        try:
+            if not torch._C._will_engine_execute_node(node):
+                return False
+        except RuntimeError:  # torch.autograd.grad(): the engine returns leaf gradients, never stores them
+            return False
+    return True
+
+
+def _start_bucket(flat: torch.Tensor, ax: _Axis, op: str, params: tuple, gs: tuple) -> None:
+    """Issue the all-reduce of ``flat`` without waiting; the first bucket of a backward
+    queues the callback that finishes them all at its end."""
+    task = torch._C._current_graph_task_id()
+    started = _STARTED.get(task)
+    if started is None:
+        started = _STARTED[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_finish_buckets, task))
+    reduced = raw_all_reduce(flat, ax, wait=False)
+    started.append((reduced, ax.size if op == "avg" else None, params, [(g.shape, g.dtype) for g in gs]))
+
+
+def _finish_buckets(task: int) -> None:
+    """Wait for the buckets started in backward ``task``, in issue order, and add each
+    reduced gradient into its parameter's ``.grad``."""
+    with torch.no_grad():
+        for reduced, divide_by, params, shapes in _STARTED.pop(task, ()):
+            flat = _c10d.wait_tensor(reduced)
+            if divide_by is not None:
+                flat = flat / divide_by
+            parts = flat.split([math.prod(shape) for shape, _ in shapes])
+            for p, part, (shape, dtype) in zip(params, parts, shapes):
+                g = part.view(shape).to(dtype)
+                if p.grad is None:
+                    # a view of the bucket, as DDP's gradient_as_bucket_view; a copy where the
+                    # parameter's strides differ (AccumulateGrad's layout contract)
+                    p.grad = g if g.stride() == p.stride() else torch.empty_like(p, dtype=dtype).copy_(g)
+                else:
+                    p.grad += g
 
 
 # --------------------------------------------------------------------------- public ops
@@ -617,7 +695,7 @@ def grad_sync(x: torch.Tensor, axis: str, op: str = "sum", *, replicas: int | No
 
 
 def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
-                     replicas: int | None = None) -> tuple[torch.Tensor, ...]:
+                     replicas: int | None = None, overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Gradient sync of several tensors on ``axis`` with one collective (a bucket).
 
     Forward: identity on each tensor, no communication.  Backward: the gradients are
@@ -627,13 +705,25 @@ def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
 
     ``replicas``: as for :func:`grad_sync`.
 
-    Example: ``norm_w, ffn_norm_w = fxshard.grad_sync_bucket([norm_w, ffn_norm_w], "tp")``
+    ``overlap=True`` (what ``fxshard.transform`` writes, unless ``overlap_grad_syncs=False``
+    or under FSDP2): as DDP, the all-reduce is only *started* when the last gradient is
+    ready, and waited on at the end of the backward, so it runs while autograd computes
+    the earlier layers' gradients; the reduced gradients are then added into the
+    parameters' ``.grad`` (same numbers as without overlap).  It applies where every
+    member is a parameter whose ``.grad`` this backward fills (``loss.backward()``); with
+    ``torch.autograd.grad``, ``create_graph=True``, a gradient hook on a parameter, or a
+    member that is not a parameter (a view, another bucket's output), the bucket waits at
+    once.  Under ``torch.compile`` the bucket takes the synchronous path: the compiled
+    backward waits where it reduces (inductor may move the wait later with
+    ``torch._inductor.config.reorder_for_compute_comm_overlap``).
+
+    Example: ``norm_w, ffn_norm_w = fxshard.grad_sync_bucket([norm_w, ffn_norm_w], "tp", overlap=True)``
     """
     _check_op(op, "grad_sync_bucket")
     ax = replica_axis(axis, replicas) if replicas else comm_axis(axis, "grad_sync_bucket")
     if ax.size == 1 or not xs:
         return tuple(xs)
-    return _GradSyncBucket.apply(ax, op, *xs)
+    return _GradSyncBucket.apply(ax, op, bool(overlap), *xs)
 
 
 _VALUE_OPS = ("sum", "avg", "max", "min")

@@ -463,7 +463,34 @@ def _hf_train_step(model, opt, batch: dict) -> torch.Tensor:
 # --------------------------------------------------------------------------- dp x tp: FSDP2
 
 
-FSDP_CONTENDERS = ("dtensor", "fxshard")  # the reference first; both compose with FSDP2 over dp
+# the reference first; dtensor and fxshard compose with FSDP2 over dp, fxshard_dp_* sum the gradients over dp
+# themselves (DDP's way), waiting on each bucket at once (sync) or at the end of the backward (overlap)
+FSDP_CONTENDERS = ("dtensor", "fxshard", "fxshard_dp_sync", "fxshard_dp_overlap")
+DP_BUCKET_MB = 4.0  # about a layer of the "large" size per bucket: the first all-reduce starts mid-backward
+
+
+class _GradTimes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class MeanOverDp(nn.Module):
+    """A program whose gradients fxshard sums over the batch-sharded axis it owns
+    (docs/design.md §6), stepping as FSDP2's mean: its output's gradient is scaled by
+    ``1 / dp`` (a power of two: exact)."""
+
+    def __init__(self, program: nn.Module, dp: int):
+        super().__init__()
+        self.program, self.scale = program, 1.0 / dp
+
+    def forward(self, ids):
+        return _GradTimes.apply(self.program(ids), self.scale)
 
 
 def _build_fsdp_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str, nn.Module], tuple, None]:
@@ -489,10 +516,15 @@ def _build_fsdp_contenders(size: StepSize, mesh, device: str) -> tuple[dict[str,
     for layer in titan.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(titan, mesh=mesh["dp"])
+    contenders = {"dtensor": titan, "fxshard": ours}
+    dp_plan = fxshard.Plan(mesh, llama_plan("tp"), inputs={"tokens": {"dp": Shard(0)}})
+    for name, overlap in (("fxshard_dp_sync", False), ("fxshard_dp_overlap", True)):
+        contenders[name] = MeanOverDp(fxshard.transform(model, dp_plan, example_inputs=(ids.clone(),),
+                                                        bucket_cap_mb=DP_BUCKET_MB, overlap_grad_syncs=overlap), dp)
     n = size.batch // dp
     mine = slice(mesh.get_local_rank("dp") * n, (mesh.get_local_rank("dp") + 1) * n)
     # each rank's loss is the mean over its own share: no single-device loss to compare it with
-    return {"dtensor": titan, "fxshard": ours}, (ids[mine], targets[mine]), None
+    return contenders, (ids[mine], targets[mine]), None
 
 
 # --------------------------------------------------------------------------- suites
@@ -540,7 +572,9 @@ SUITES = {
     "llama-fsdp": Suite("llama-fsdp", FSDP_CONTENDERS, "dtensor", "dtensor", SIZES, _build_fsdp_contenders,
                         lambda m, opt, batch: _train_step(m, opt, *batch), "step_time_fsdp",
                         "fxshard.testing.models.Llama on a dp x tp mesh (dp=2): DTensor TP + FSDP2 as torchtitan "
-                        "composes them (dtensor), fxshard TP + fxshard.fully_shard (fxshard)",
+                        "composes them (dtensor), fxshard TP + fxshard.fully_shard (fxshard), fxshard TP + its own "
+                        "gradient sums over dp, each bucket waited on at once (fxshard_dp_sync) or at the end of the "
+                        "backward (fxshard_dp_overlap)",
                         mesh_dims=("dp", "tp")),
 }
 

@@ -203,11 +203,12 @@ class ProgramMeta(TypedDict, total=False):
     fxshard_blocks: dict  # {fqn: DimBlocks} of packed parameters (shard_state -> state/*)
     fxshard_heads: dict  # {fqn: HeadReplicas} of KV heads held by several ranks (shard_state -> state/*, grad_norm)
     fxshard_fsdp: str  # the axis FSDP2 must still be applied on (require_fully_shard -> fully_shard)
-    fxshard_fsdp_units: list  # block FQNs, in order (split_blocks -> fully_shard)
+    fxshard_fsdp_units: list  # block FQNs, in order (split_blocks -> fully_shard, fxshard.compile)
     fxshard_block: str  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
     fxshard_region: str  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
     fxshard_lifted: Any  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
     captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
+    capture_blocks: str  # "stamped 29 of 32 blocks of model.layers from 3 captured" or "captured in full: <why>" (frontend.repeated_blocks)
     model_class: str  # class name of the captured model (frontend.trace -> GraphModule name)
     model_type: str  # HF config.model_type, if any (frontend.trace -> dump)
     module_dicts: list  # FQNs of nn.ModuleDict containers (frontend.trace -> split_blocks)
@@ -233,6 +234,7 @@ class PassContext:
     cp_axes: Mapping[str, Any] = field(default_factory=dict)  # axis -> ContextParallel: the sequence is sharded there
     load_balanced: tuple[str, ...] = ()  # cp axes whose sequence is split load-balanced
     block_pattern: re.Pattern | None = None  # which modules are the transformer blocks (None: module-list items)
+    split_blocks: bool = False  # one sub-GraphModule per block (FSDP2, transform(blocks=...)); buckets stay within one
     bucket_cap_bytes: int | None = None  # gradient-sync bucket size (None: one sync per parameter)
     overlap_grad_syncs: bool = False  # buckets wait at the end of the backward, not at once
     example_inputs: tuple | None = None  # flat single-device inputs: the graph's shapes are still to record
@@ -247,7 +249,8 @@ class PassContext:
         cp_axes = plan.context_parallel_axes()
         return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=(plan.fsdp,) if plan.fsdp else (),
                    cp_axes=cp_axes, load_balanced=tuple(a for a, cp in cp_axes.items() if cp.load_balance),
-                   block_pattern=pattern_regex(blocks) if blocks else None,
+                   block_pattern=pattern_regex(blocks) if blocks and blocks != "auto" else None,
+                   split_blocks=bool(blocks or plan.fsdp),
                    bucket_cap_bytes=int(bucket_cap_mb * 2**20) if bucket_cap_mb else None,
                    overlap_grad_syncs=overlap_grad_syncs, example_inputs=example_inputs,
                    shapes_recorded=shapes_recorded)

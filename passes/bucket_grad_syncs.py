@@ -20,8 +20,9 @@ once the last of them is complete.
 * ``ctx.overlap_grad_syncs``: a bucket of parameters gets ``overlap=True`` (its
   all-reduce is waited on at the end of the backward, not at once), except under FSDP2.
 * ``unit_of(node)`` names the unit a use belongs to; a bucket never mixes units.
-  Under FSDP2 each transformer block is a unit (its parameters exist, unsharded, only
-  while the block runs); otherwise the whole graph is one.
+  When the blocks are split (``ctx.split_blocks``: FSDP2, whose unsharded parameters
+  exist only while their block runs, or ``transform(blocks=...)`` for
+  ``fxshard.compile``) each transformer block is a unit; otherwise the whole graph is one.
 
 Reads:  ``.collective``, ``.value``, ``nn_module_stack``.
 Writes: ``grad_sync_bucket`` nodes (``.collective``, ``.value`` the members'
@@ -40,6 +41,7 @@ import torch.fx as fx
 
 from fxshard.runtime import collectives
 from fxshard.meta import Collective, PassContext, TensorInfo, block_of, info
+from fxshard.state.module_state import attribute
 
 DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
 
@@ -61,8 +63,8 @@ def bucket_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Coalesce parameter gradient syncs into buckets of at most ``cap_bytes`` (in place).
     ``cap_bytes=None`` or ``0`` keeps one sync per parameter."""
     cap_bytes = ctx.bucket_cap_bytes
-    # under FSDP2 a block's parameters exist (unsharded) only while it runs: no bucket spans two
-    unit_of: Callable[[fx.Node], str] = (lambda n: block_of(n, ctx.block_pattern)) if ctx.fsdp_axes else (lambda n: "")
+    # a block split out (FSDP2: its parameters exist, unsharded, only while it runs) holds its own buckets
+    unit_of: Callable[[fx.Node], str] = (lambda n: block_of(n, ctx.block_pattern)) if ctx.split_blocks else (lambda n: "")
     if not cap_bytes:
         return
     # FSDP2's post-backward hook reads a block's gradients before the backward ends: no overlap there
@@ -108,20 +110,13 @@ def _is_parameter_like(gm: fx.GraphModule, node) -> bool:
     if not isinstance(node, fx.Node):
         return False
     if node.op == "get_attr":
-        t = _fetch(gm, node.target)
+        t = attribute(gm, node.target, None)
         return isinstance(t, torch.Tensor) and t.requires_grad and isinstance(info(node).value, TensorInfo)
     if node.op == "call_method" and node.target in _VIEWS and isinstance(info(node).value, TensorInfo):
         tensors = [a for a in node.all_input_nodes if isinstance(info(a).value, TensorInfo)]
         return len(tensors) == 1 and tensors[0] is node.args[0] and _is_parameter_like(gm, node.args[0])
     return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
             and node.args[0].target is collectives.grad_sync_bucket)
-
-
-def _fetch(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _fill(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:

@@ -61,6 +61,7 @@ from fxshard.runtime.moe import ExpertList, check_compute_signature, routed_forw
 from fxshard.passes.functionalize_leaves import functionalize
 from fxshard.passes.outline_regions import outline
 from fxshard.meta import PassContext
+from fxshard.state.module_state import attribute
 
 
 def local_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -453,7 +454,7 @@ def _annotate(carved: fx.GraphModule, region: LocalRegion, axes: dict[str, int])
             node.meta["nn_module_stack"] = {k: (_absolute(q, region.fqn), t) for k, (q, t) in stack.items()}
         if node.op == "get_attr":
             fqn = f"{region.fqn}.{node.target}"
-            t = _fetch(carved, node.target)
+            t = attribute(carved, node.target)
             layout = region.params.get(fqn)
             if isinstance(t, torch.Tensor) and layout is not None:
                 m.value = TensorInfo(layout, tuple(t.shape), local_shape(t.shape, layout, axes), t.dtype, t.requires_grad)
@@ -468,12 +469,6 @@ def _absolute(qualname: str, fqn: str) -> str:
 
 def _relative(fqn: str, region: str) -> str:
     return fqn[len(region) + 1:]
-
-
-def _fetch(mod: nn.Module, target: str):
-    for part in target.split("."):
-        mod = getattr(mod, part)
-    return mod
 
 
 def _set_submodule(gm: fx.GraphModule, fqn: str, module: nn.Module) -> None:

@@ -28,6 +28,7 @@ from fxshard.meta import KEY, LocalRegion, PassContext, TensorInfo, info
 from fxshard.layout.dtensor_rules import dtensor_layout
 from fxshard.layout.op_rules import (FILL_LIKE, Ctx, block_slice, measured_rule, measures, rank_dependent_numbers, rule_for,
                            scalar_value, views)
+from fxshard.state.module_state import attribute
 
 
 def propagate(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -71,7 +72,7 @@ def _propagate_node(gm: fx.GraphModule, node: fx.Node, axes, fsdp_axes=(), cp_ax
         meta.value = _tensor(node, meta.declared, axes, requires_grad=True, what=f"graph input {node.target!r}")
         meta.rule = "plan input"
     elif node.op == "get_attr":
-        attr = _fetch(gm, node.target)
+        attr = attribute(gm, node.target)
         if isinstance(attr, torch.Tensor):
             node.meta.setdefault("val", attr)
             meta.value = _tensor(node, meta.declared, axes, requires_grad=attr.requires_grad, what=f"parameter {node.target!r}")
@@ -208,13 +209,6 @@ def _blocked_dim_kept(src: TensorInfo, out: TensorInfo) -> bool:
     d = _blocked_dim(src)
     axes = [a for a, p in src.layout.items() if p == Shard(d)] if d is not None else []
     return bool(axes) and all(isinstance(out.layout[a], Shard) and out.shape[out.layout[a].dim] == src.shape[d] for a in axes)
-
-
-def _fetch(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _tensor(node, layout, axes, requires_grad, what) -> TensorInfo | None:

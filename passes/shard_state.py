@@ -34,6 +34,7 @@ from fxshard.plan.mesh import mesh_coordinate, mesh_shape
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
 from fxshard.meta import PassContext
+from fxshard.state.module_state import attribute
 
 
 def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None,
@@ -74,7 +75,7 @@ def shard_state(gm: fx.GraphModule, ctx: PassContext) -> None:
             hr = info(node).extra.get("head_replicas")
             if hr is not None:  # the graph reads every head once per replica; the state holds it once
                 heads[node.target] = hr
-                v = TensorInfo(v.layout, tuple(_fetch(gm, node.target).shape), v.local_shape, v.dtype)
+                v = TensorInfo(v.layout, tuple(attribute(gm, node.target).shape), v.local_shape, v.dtype)
             layouts[node.target] = (v.layout, v.shape)
             if v.blocks:
                 blocks[node.target] = v.blocks
@@ -112,11 +113,6 @@ def shard_state(gm: fx.GraphModule, ctx: PassContext) -> None:
     gm.meta["fxshard_blocks"] = blocks
     gm.meta["fxshard_heads"] = heads
     return
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _local_region_state(gm: fx.GraphModule, region: LocalRegion, mesh) -> dict:

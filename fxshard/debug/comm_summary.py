@@ -53,6 +53,7 @@ import torch.fx as fx
 from fxshard.debug.graph_walk import module_prefixes, block_module, module_path
 from fxshard.meta import KEY, TensorInfo
 from fxshard.plan.specs import pattern_regex
+from fxshard.state.module_state import attribute
 
 __all__ = ["CommRow", "CommTotal", "CommSummary", "comm_summary", "in_region", "C10D_OPS", "fmt_bytes"]
 
@@ -465,7 +466,7 @@ def _requires_grad(gm: fx.GraphModule, inputs_grad: list[bool]) -> set[fx.Node]:
         if node.op == "placeholder":
             needs = next(placeholders, False)
         elif node.op == "get_attr":
-            attr = _fetch(gm, node.target)
+            attr = attribute(gm, node.target, None)
             needs = isinstance(attr, torch.Tensor) and attr.requires_grad
         elif node.op == "output" or (node.op == "call_method" and node.target == "detach"):
             needs = False
@@ -489,13 +490,6 @@ def _reaches_output(gm: fx.GraphModule, grad: set[fx.Node]) -> set[fx.Node]:
         if node in grad and (not node.users or any(u.op == "output" or u in live for u in node.users)):
             live.add(node)
     return live
-
-
-def _fetch(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def in_region(fqn: str, pattern: str | None) -> bool:

@@ -43,6 +43,7 @@ from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
 from fxshard.frontend.opaque_regions import opaque_local_regions, restore_local_region_calls
 from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
+from fxshard.frontend.repeated_blocks import StampMismatch, fallback_note, only_captured_blocks, plan_stamping, stamp_blocks
 from fxshard.state.module_state import add_missing_state, named_state
 from fxshard.passes.cleanup import mutates
 
@@ -60,13 +61,16 @@ def _(x, fqn, name, kind):
 
 
 def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), example_kwargs: Mapping[str, Any] | None = None,
-            dynamic_shapes=None) -> fx.GraphModule:
+            dynamic_shapes=None, *, repeated_blocks: bool = True) -> fx.GraphModule:
     """Export ``model`` (non-strict) and normalize the graph into fxshard's form.
 
     ``dynamic_shapes`` defaults to every dim of integer inputs (token ids) and every
     dim but the last of float inputs being dynamic (``Dim.AUTO``: export keeps a dim
-    static where the model needs it so).  The model is not modified.
+    static where the model needs it so).  ``repeated_blocks``: export only the first
+    blocks of each kind and stamp the others (:mod:`fxshard.frontend.repeated_blocks`;
+    ``gm.meta["capture_blocks"]`` says what was done).  The model is not modified.
     """
+    stamp, why = plan_stamping(model) if repeated_blocks else (None, "repeated_blocks=False")
     # each input its own storage: export fakeifies a tensor once, so ``labels=ids`` (or a
     # view of another input, or a parameter passed as an input) would bind two names to one
     # placeholder and the program would read the wrong one when called with distinct tensors
@@ -82,7 +86,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
         grown = (_grow_unit_dims(args), {k: _grow_unit_dims(v) for k, v in kwargs.items()})
         attempts = [(*grown, dynamic_shapes), (args, kwargs, dynamic_shapes)]
     try:
-        ep, region_calls = _export(model, plan, kwargs, attempts)
+        ep, region_calls = _export(model, plan, kwargs, attempts, stamp)
     except PlanError:
         raise
     except Exception as first:
@@ -92,7 +96,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
         error = first
         if warmed is True:
             try:
-                ep, region_calls = _export(model, plan, kwargs, attempts)
+                ep, region_calls = _export(model, plan, kwargs, attempts, stamp)
                 error = None
             except PlanError:
                 raise
@@ -112,19 +116,28 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     translate_aten(gm)
     _devices_from_inputs(gm, model, args, kwargs)
     _module_stack_types(gm, model)
+    if stamp is not None:
+        try:
+            stamp_blocks(gm, model, stamp)
+        except StampMismatch as e:
+            gm = capture(model, plan, example_inputs, example_kwargs, dynamic_shapes, repeated_blocks=False)
+            gm.meta["capture_blocks"] = fallback_note(str(e), mismatch=True)
+            return gm
     gm.graph.eliminate_dead_code(is_impure_node=mutates)  # in-place writes have no users
     gm.recompile()
+    gm.meta["capture_blocks"] = stamp.describe() if stamp is not None else fallback_note(why, mismatch=False)
     gm.meta["captured_by"] = "torch.export"
     gm.meta["model_class"] = type(model).__name__
     return gm
 
 
-def _export(model, plan, kwargs, attempts):
+def _export(model, plan, kwargs, attempts, stamp=None):
     """``torch.export.export`` (non-strict) of ``model`` with the planned boundaries
     marked, on each ``(args, kwargs, dynamic_shapes)`` of ``attempts`` until one works;
     returns the program and the opaque local regions' calls, or raises the last error."""
     with _boundary_hooks(model, plan), opaque_local_regions(model, plan) as region_calls, _training_config(model), \
-            causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False):
+            causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False), \
+            (only_captured_blocks(model, stamp) if stamp is not None else contextlib.nullcontext()):
         for i, (a, kw, dyn) in enumerate(attempts):
             try:
                 return torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn), region_calls

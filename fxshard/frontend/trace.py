@@ -65,7 +65,7 @@ class ShardTracer(fx.Tracer):
         return super().call_module(m, marked_forward, args, kwargs)
 
 
-CAPTURES = ("auto", "fx", "export")
+CAPTURES = ("auto", "fx", "export", "export-every-block")
 
 
 def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), example_kwargs: dict | None = None, *,
@@ -84,7 +84,10 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     non-strict ``torch.export`` (:mod:`fxshard.frontend.capture`: any model export can
     capture, HF transformers and torchtitan among them; batch and sequence stay dynamic,
     ``dynamic_shapes`` overrides which dims); ``"auto"`` tries fx first and exports
-    when symbolic tracing fails or keyword inputs are given.  ``example_inputs`` /
+    when symbolic tracing fails or keyword inputs are given.  Export captures the first
+    blocks of a deep model's stack of repeated blocks and stamps the others
+    (:mod:`fxshard.frontend.repeated_blocks`, checked; ``gm.meta["capture_blocks"]`` says
+    what was done); ``"export-every-block"`` exports every block.  ``example_inputs`` /
     ``example_kwargs`` are the single-device (global) inputs; when given, every node's
     ``meta["val"]`` holds a fake tensor with its global shape.  The model is not modified.
     Plain tensor attributes the graph reads (``self.mask = torch.tril(...)``, constants
@@ -114,7 +117,8 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
             return gm
     from fxshard.frontend.capture import capture as export_capture, flat_inputs
 
-    gm = export_capture(model, plan, example_inputs, example_kwargs, dynamic_shapes)
+    gm = export_capture(model, plan, example_inputs, example_kwargs, dynamic_shapes,
+                        repeated_blocks=capture != "export-every-block")
     keep_non_persistent(model, gm)
     register_attribute_buffers(gm, model)
     if example_inputs or example_kwargs:

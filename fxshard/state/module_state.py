@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -162,3 +164,23 @@ def drop_unused_modules(gm) -> None:
     state = named_state(gm)
     gm.delete_all_unused_submodules()
     add_missing_state(gm, state)
+
+
+_REQUIRED = object()
+
+
+def attribute(module: nn.Module, target: str, default: Any = _REQUIRED) -> Any:
+    """The object at the dotted path ``target`` under ``module`` (a ``get_attr`` node's
+    target: a parameter, buffer, plain tensor or submodule); ``default`` where there is
+    none, if given, else ``AttributeError``.
+
+    Example: ``attribute(gm, "layers.0.attention.wq.weight")``.
+    """
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part, _REQUIRED)
+        if obj is _REQUIRED:
+            if default is _REQUIRED:
+                raise AttributeError(f"{type(module).__name__} has no attribute {target!r} (no {part!r})")
+            return default
+    return obj

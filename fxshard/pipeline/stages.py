@@ -41,6 +41,8 @@ try:
 except ImportError:  # the tree before issue 28's pass table
     from fxshard.passes.split_blocks import block_of
 
+from fxshard.state.module_state import add_missing_state, named_state
+
 from .spec import PipelineSpec
 
 FREE = -1  # a stage index meaning "computed from parameters and constants alone: copied where used"
@@ -86,6 +88,7 @@ class StageCut:
     loss: LossProgram | None
     tied: dict[str, list[int]]  # parameter FQN -> the stages holding it, where more than one
     boundaries: list[list[tuple[str, tuple, torch.dtype]]]  # per cut s | s+1: (name, global shape, dtype) sent
+    loss_axes: tuple[str, ...] = ()  # the axes the loss's target is sharded on (the batch on dp)
 
     def describe(self) -> str:
         lines = []
@@ -461,6 +464,46 @@ def _copy_meta(gm, new) -> None:
 
 
 # ----------------------------------------------------------------------------- the loss
+
+
+def split_loss(gm: fx.GraphModule, targets: Sequence[str] = ("labels",)) -> tuple[fx.GraphModule, LossProgram | None]:
+    """Cut the model's own loss (the nodes that depend on a ``targets`` input) out of a
+    captured program, before the transform: returns the program without it (its inputs
+    the others, its outputs the tensors the loss reads, e.g. the logits) and the loss as a
+    :class:`LossProgram`, or ``gm`` itself and ``None`` when no target is an input.
+
+    The transform then never sees the loss: a batch sharded on ``dp`` keeps a loss that is
+    summed per rank and divided by the count of scored tokens of the whole batch.
+
+    Example::
+
+        model_gm, loss = split_loss(fxshard.trace(model, plan, example_kwargs=kw))
+        sharded = fxshard.transform(model_gm, plan, example_kwargs={"input_ids": ids})
+    """
+    nodes = list(gm.graph.nodes)
+    target_nodes = [n for n in nodes if n.op == "placeholder" and n.target in targets]
+    loss_nodes = _dependents(target_nodes)
+    if not loss_nodes:
+        return gm, None
+    stage_of_node = {n.name: LOSS if n in loss_nodes else FREE if n.op == "get_attr" else 0 for n in nodes}
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    from_model, loss = _loss_program(gm, out_node, loss_nodes, stage_of_node, target_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n.op == "output" or n in loss_nodes:
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    outs = [env[a] for a in from_model]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    graph.eliminate_dead_code()
+    model_gm = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    add_missing_state(model_gm, named_state(gm))  # a tied head's other name, unused parameters: the model's FQNs
+    for prefix, m in model_gm.named_modules():
+        source = gm.get_submodule(prefix) if prefix else gm
+        m._non_persistent_buffers_set.update(b for b in source._non_persistent_buffers_set if b in m._buffers)
+    model_gm.meta.update(gm.meta)
+    return model_gm, loss
 
 
 def _loss_program(gm, out_node, loss_nodes, stage_of_node, target_nodes) -> tuple[list[fx.Node], LossProgram]:

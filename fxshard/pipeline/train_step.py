@@ -11,12 +11,14 @@ import torch.nn as nn
 
 from fxshard.errors import PlanError
 from fxshard.plan.plan import Plan
+from fxshard.frontend.trace import trace
+from fxshard.runtime.collectives import reduce_over
 from fxshard.transform import transform
 
 from fxshard.training.grad_norm import grad_norm as fxshard_grad_norm, track_parameters
 
 from .spec import PipelineSpec
-from .stages import StageCut, cut_stages
+from .stages import LossProgram, StageCut, cut_stages, split_loss
 
 
 class PipelinedModule(nn.Module):
@@ -46,6 +48,7 @@ class PipelinedModule(nn.Module):
         self.stage_ids = spec.stages_of_rank(self.pp_rank, self.pp_size)
         self.input_names = list(cut.inputs)
         self.loss_program = cut.loss
+        self.loss_axes = tuple(getattr(cut, "loss_axes", ()))
         self.cut_summary = cut.describe()
         self.stage_costs = list(cut.stage_costs)
         self.boundaries = list(cut.boundaries)
@@ -192,12 +195,55 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     if spec.axis in plan_axes:
         raise PlanError(f"pipeline: the plan's mesh has the pipeline axis {spec.axis!r}; it shards within a stage\n  fix: "
                         f"build the plan on the other dims, fxshard.Plan(mesh[{[a for a in names if a != spec.axis]!r}], ...)")
-    gm = transform(model, plan, example_inputs, example_kwargs, **transform_kwargs)
+    capture = {k: transform_kwargs.pop(k) for k in ("capture", "dynamic_shapes") if k in transform_kwargs}
+    # a bucket of gradient syncs reads parameters of several blocks: it would pull them into one stage
+    if transform_kwargs.get("bucket_cap_mb"):
+        raise PlanError("pipeline_transform: bucket_cap_mb= coalesces the gradient syncs of several blocks, which the "
+                        "stages split\n  fix: leave bucket_cap_mb out (one sync per parameter under pp)")
+    transform_kwargs["bucket_cap_mb"] = None
+    # the model's loss is cut out before the transform: it runs on the last stage's output, per rank
+    captured = trace(model, plan, example_inputs or (), example_kwargs, **capture)
+    model_gm, loss = split_loss(captured, targets)
+    model_plan = plan
+    if loss is not None:
+        example_kwargs = {k: v for k, v in (example_kwargs or {}).items() if k != loss.target}
+        model_plan = plan.replace(inputs={k: v for k, v in plan.inputs.items() if k != loss.target})
+    gm = transform(model_gm, model_plan, example_inputs, example_kwargs, **transform_kwargs)
     pp = mesh[spec.axis].size()
-    cut = cut_stages(gm, spec, spec.num_stages(pp), targets)
+    cut = cut_stages(gm, spec, spec.num_stages(pp), with_loss=False)
+    if loss is not None:
+        cut.loss = loss
+        cut.loss_axes = _loss_axes(gm, plan, loss)
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     return PipelinedModule(cut, spec, mesh, all_state)
+
+
+def _loss_axes(gm, plan, loss: LossProgram) -> tuple[str, ...]:
+    """The axes the target input is sharded on (the batch on ``dp``): the count of scored
+    tokens and the loss are summed over them.  The values the loss reads (the logits) must
+    be sharded the same way and no other (a vocab-sharded head under loss parallel is not)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fxshard.meta import KEY, TensorInfo
+
+    target_layout = plan.inputs.get(loss.target, {})
+    axes = tuple(a for a, p in target_layout.items() if isinstance(p, Shard))
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    for v in values:
+        info = v.meta.get(KEY) if hasattr(v, "meta") else None
+        ti = getattr(info, "value", None)
+        if not isinstance(ti, TensorInfo):
+            continue
+        for axis, p in ti.layout.items():
+            want = target_layout.get(axis, Replicate())
+            if not (isinstance(p, Replicate) and isinstance(want, Replicate)) and p != want:
+                raise PlanError(f"pipeline: the model's loss reads {v.name} laid out {axis}={p}, but its target "
+                                f"{loss.target!r} is {axis}={want}; the last stage runs the loss on its own tensors\n  fix: "
+                                f"a plan whose head output is replicated over {axis!r} (no loss parallel, the logits "
+                                f"gathered), with the target sharded like the logits' batch")
+    return axes
 
 
 def train_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None, target: torch.Tensor | None = None
@@ -256,6 +302,8 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
             raise PlanError(f"train_step: inputs lack {program.target!r}, which the model's loss reads\n  fix: pass it")
         # the batch's count of scored tokens: each micro-batch's summed loss is divided by it
         pm._count = program.count(target).to(torch.float32)
+        if pm.loss_axes:  # the batch's scored tokens over the ranks that share it
+            pm._count = reduce_over(pm._count, pm.loss_axes, "sum")
 
         def schedule_loss(output, tgt):
             outs = output if isinstance(output, tuple) else (output,)
@@ -281,6 +329,10 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         total = torch.zeros((), dtype=torch.float32, device=args[0].device if args else "cpu")
     src = pm._global_rank_of_pp[spec.rank_of_stage(pm.num_stages - 1, pm.pp_size)]
     dist.broadcast(total, src=src, group=pm.pp_group)
+    if loss_fn is None and pm.loss_axes:
+        total = reduce_over(total, pm.loss_axes, "sum")
+    elif loss_fn is not None and pm.loss_axes:
+        total = reduce_over(total, pm.loss_axes, "avg")
     _sum_tied_grads(pm)
     return total
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.pipeline import clip_grad_norm_, pipeline, pipeline_transform, train_step
@@ -44,7 +45,14 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     if on_meta:
         with torch.device("meta"):
             source = tiny_model(family, num_hidden_layers=4)
-    plan = fxshard.Plan.from_hf(mesh["tp"], source).replace(pipeline=spec) if tp_plan else None
+    if tp_plan:
+        plan = fxshard.Plan.from_hf(mesh["tp"], source).replace(pipeline=spec)
+    elif "dp" in mesh_shape:  # the batch sharded: every rank passes its rows, the loss is the whole batch's mean
+        plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}}, pipeline=spec)
+    else:
+        plan = None
+    dp = mesh_shape.get("dp", 1)
+    mine = (lambda t: t.chunk(dp)[mesh["dp"].get_local_rank()]) if dp > 1 else (lambda t: t)
     staged = pipeline_transform(source, plan, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels},
                                 spec=spec if plan is None else None)
     name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual} stage(s) {staged.stage_ids}"
@@ -66,7 +74,7 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     tp_sharded = mesh_shape.get("tp", 1) > 1
     for step in range(2):
-        loss = train_step(staged, {"input_ids": ids, "labels": labels})
+        loss = train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
         ref_loss = reference(input_ids=ids, labels=labels).loss
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} loss: {m}")
@@ -92,8 +100,8 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     for fqn, t in full.items():
         torch.testing.assert_close(t, ref_state[fqn], atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} {fqn} after 2 steps: {m}")
     # another batch and sequence length: the schedule is made again for the new shapes
-    ids, labels = tiny_inputs(batch=2 * microbatches, seq=6, seed=3)
-    loss = train_step(staged, {"input_ids": ids, "labels": labels})
+    ids, labels = tiny_inputs(batch=2 * microbatches * dp, seq=6, seed=3)
+    loss = train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
     ref_loss = reference(input_ids=ids, labels=labels).loss
     torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} other shapes loss: {m}")
     return name
@@ -108,6 +116,8 @@ def _two_ranks(rank: int, world_size: int) -> None:
 
 def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:
     _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
+    # the rows of one dp rank score other numbers of tokens than the other's (-100 at random)
+    _check_case("llama", {"pp": 2, "dp": 2}, "GPipe", 2, 1, False)
 
 
 def _reference_after_two_steps(family: str):
@@ -126,7 +136,7 @@ def test_pp2_llama_schedules_and_gpt2_tied_head_equal_one_device():
     spawn(_two_ranks, 2)
 
 
-def test_pp2_x_tp2_llama_from_meta_equal_one_device_and_its_checkpoint_loads_on_one_device(tmp_path):
+def test_pp2_x_tp2_from_meta_and_pp2_x_dp2_llama_equal_one_device_and_a_checkpoint_loads_on_one_device(tmp_path):
     spawn(_four_ranks, 4, str(tmp_path / "ckpt"))
     # resharding pp=2 x tp=2 -> one device: every parameter is in the checkpoint, as trained
     model = tiny_model("llama", num_hidden_layers=4)

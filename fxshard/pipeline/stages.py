@@ -36,10 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard.errors import PlanError
-try:
-    from fxshard.meta import block_of
-except ImportError:  # the tree before issue 28's pass table
-    from fxshard.passes.split_blocks import block_of
+from fxshard.meta import block_of
 
 from fxshard.state.module_state import add_missing_state, named_state
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.pipeline import clip_grad_norm_, pipeline, pipeline_transform, train_step
 from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+from fxshard.testing.models import llama, tokens
 
 try:
     from harness import make_mesh, spawn
@@ -27,6 +29,10 @@ ATOL = 1e-5
 LR = 1e-3  # AdamW moves every element by about LR: a gradient of the wrong sign shows
 MAX_NORM = 0.5
 EPS = 1e-6  # AdamW's step is g / (|g| + eps): with torch's 1e-8 a gradient of 1e-9 summed in another order moves by ~LR
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool,
@@ -107,11 +113,32 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     return name
 
 
+def _check_user_loss(rank: int) -> None:
+    """A model without a loss of its own (fxshard's Llama: tokens -> logits) and ``loss_fn=``: the
+    micro-batch means are averaged, which is the batch's mean when every micro-batch scores as
+    many tokens (no -100 here), and the gradients are one device's."""
+    mesh = make_mesh({"pp": 2, "tp": 1})
+    model = llama(n_layers=4)
+    reference = copy.deepcopy(model)
+    ids, target = tokens(4, 8, 128, seed=1), tokens(4, 8, 128, seed=2)
+    staged = fxshard.pipeline_transform(model, None, mesh, example_inputs=(tokens(2, 6, 128, seed=3),),
+                                        spec=pipeline("pp", microbatches=4, schedule="1F1B"))
+    assert staged.loss_program is None
+    loss = train_step(staged, {"tokens": ids}, loss_fn=cross_entropy, target=target)
+    ref_loss = cross_entropy(reference(ids), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
+    ref_params = dict(reference.named_parameters())
+    for fqn, p in staged.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[fqn].grad, atol=ATOL, rtol=ATOL, msg=lambda m: f"user loss: {fqn}: {m}")
+
+
 def _two_ranks(rank: int, world_size: int) -> None:
     pp = {"pp": 2, "tp": 1}
     for case in [("llama", pp, "1F1B", 2, 1, False), ("llama", pp, "GPipe", 4, 1, False),
                  ("llama", pp, "Interleaved1F1B", 2, 2, False), ("gpt2", pp, "1F1B", 4, 1, False)]:
         _check_case(*case)
+    _check_user_loss(rank)
 
 
 def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:

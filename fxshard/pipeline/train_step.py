@@ -322,6 +322,7 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
     schedule = pm.schedule(lambda output, tgt: pm._loss_fn(output, tgt), shapes)
     losses: list = []
     step_args = args if pm.holds_first else ()
+    tied_before = _tied_grads_before(pm)
     schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
     if pm.holds_last:
         total = torch.stack([l.detach().float() for l in losses]).sum()
@@ -333,7 +334,7 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         total = reduce_over(total, pm.loss_axes, "sum")
     elif loss_fn is not None and pm.loss_axes:
         total = reduce_over(total, pm.loss_axes, "avg")
-    _sum_tied_grads(pm)
+    _sum_tied_grads(pm, tied_before)
     return total
 
 
@@ -372,18 +373,34 @@ def _tied_groups(cut: StageCut, spec: PipelineSpec, mesh, pp_rank: int, pp: int)
     return groups
 
 
-def _sum_tied_grads(pm: PipelinedModule) -> None:
+def _tied_params(pm: PipelinedModule) -> list[tuple[Any, torch.Tensor]]:
     params = dict(pm.named_parameters(remove_duplicate=False))
+    out, seen = [], set()
     for group, fqns in pm._tied:
-        seen = set()
         for fqn in fqns:
             p = params.get(fqn)
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((group, p))
+    return out
+
+
+def _tied_grads_before(pm: PipelinedModule) -> list[torch.Tensor | None]:
+    """The tied parameters' gradients before a step: what is accumulated from earlier steps
+    (gradient accumulation) is summed already and must not be summed again."""
+    return [None if p.grad is None else p.grad.clone() for _, p in _tied_params(pm)]
+
+
+def _sum_tied_grads(pm: PipelinedModule, before: list[torch.Tensor | None]) -> None:
+    """Megatron's embedding sync: this step's gradient of each tied copy summed over the
+    stages that hold one, so the copies stay equal."""
+    for (group, p), old in zip(_tied_params(pm), before):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        step = p.grad if old is None else p.grad - old
+        dist.all_reduce(step, group=group)
+        if old is not None:
+            p.grad.copy_(old + step)
 
 
 def _trivial_mesh(mesh, axis: str):

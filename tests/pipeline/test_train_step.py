@@ -110,6 +110,13 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     loss = train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
     ref_loss = reference(input_ids=ids, labels=labels).loss
     torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} other shapes loss: {m}")
+    if not tp_sharded:  # gradient accumulation: a second step adds its gradient (a tied weight's once)
+        ref_loss.backward()
+        train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        for fqn, p in staged.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(p.grad, 2 * ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+                                       msg=lambda m: f"{name} accumulated grad of {fqn}: {m}")
     return name
 
 

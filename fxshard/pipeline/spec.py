@@ -77,8 +77,8 @@ def pipeline(axis: str = "pp", microbatches: int = 1, schedule: str = "1F1B", sp
     ``schedule``: a name of torch's schedules (``get_schedule_class``): ``"GPipe"``, ``"1F1B"``,
     ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"`` (those three with
     ``virtual >= 2`` stages per rank), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (``virtual=2``).
-    ``split``: ``None`` balances the stages by cost (parameter bytes and FLOPs per block, the
-    embedding and the head counted), or the FQN of the first block of each stage after the
+    ``split``: ``None`` balances the stages by cost (FLOPs, parameter bytes and activation bytes
+    per block, the embedding and the head counted), or the FQN of the first block of each stage after the
     first (``["layers.2"]``; a suffix of the full FQN is enough).
     """
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class

@@ -56,6 +56,7 @@ class StageCost:
     name: str
     param_bytes: int
     flops: int
+    activation_bytes: int = 0  # bytes of the values its nodes make (what a backward may keep), at the example's shapes
 
 
 @dataclasses.dataclass
@@ -317,6 +318,9 @@ def _unit_costs(nodes, blocks: list[str], stage_of_node) -> list[StageCost]:
         if stage_of_node is not None and stage_of_node.get(n.name) == LOSS:
             unit = "<after>"
         units[unit].flops += _flops(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            units[unit].activation_bytes += _numel(val) * val.element_size()
         for a in n.all_input_nodes:
             if a.op == "get_attr" and a.target not in seen_params[unit] and isinstance(a.meta.get("val"), torch.Tensor):
                 seen_params[unit].add(a.target)
@@ -325,10 +329,12 @@ def _unit_costs(nodes, blocks: list[str], stage_of_node) -> list[StageCost]:
 
 
 def _shares(costs: list[StageCost]) -> list[float]:
-    """Each unit's cost: its share of all FLOPs plus its share of all parameter bytes, halved."""
+    """Each unit's cost: the mean of its shares of all FLOPs (time), of all parameter bytes
+    (memory held) and of all activation bytes (memory per micro-batch in flight)."""
     flops = sum(c.flops for c in costs) or 1
     params = sum(c.param_bytes for c in costs) or 1
-    return [(c.flops / flops + c.param_bytes / params) / 2 for c in costs]
+    activations = sum(c.activation_bytes for c in costs) or 1
+    return [(c.flops / flops + c.param_bytes / params + c.activation_bytes / activations) / 3 for c in costs]
 
 
 def _balance(share: list[float], num_stages: int) -> list[int]:

@@ -124,3 +124,15 @@ def test_plan_carries_the_pipeline_on_another_axis():
         fxshard.Plan(fxshard.MeshSpec(("pp", "tp"), (2, 2)), {}, pipeline=spec)
     with pytest.raises(fxshard.PlanError, match="expected fxshard.pipeline"):
         fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {}, pipeline="pp")
+
+
+def test_pipeline_transform_refuses_meshes_it_cannot_use():
+    model = llama(n_layers=2)
+    ids = tokens(2, 8, 128)
+    with _fake_ranks({"pp": 2}) as mesh:
+        with pytest.raises(fxshard.PlanError, match=r"only the pipeline axis 'pp'.*\n  fix: init_device_mesh"):
+            fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,), spec=pipeline("pp"))
+        with pytest.raises(fxshard.PlanError, match=r"axis 'stages' is no dim of the mesh"):
+            fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,), spec=pipeline("stages"))
+        with pytest.raises(fxshard.PlanError, match="no pipeline spec"):
+            fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,))

@@ -87,6 +87,8 @@ class StageCut:
     tied: dict[str, list[int]]  # parameter FQN -> the stages holding it, where more than one
     boundaries: list[list[tuple[str, tuple, torch.dtype]]]  # per cut s | s+1: (name, global shape, dtype) sent
     loss_axes: tuple[str, ...] = ()  # the axes the loss's target is sharded on (the batch on dp)
+    batch_axes: tuple[str, ...] = ()  # the axes any input is sharded on
+    batch_ranks: int = 1  # how many ranks share the batch (the product of their sizes)
 
     def describe(self) -> str:
         lines = []

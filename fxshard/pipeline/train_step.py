@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from fxshard.errors import PlanError
 from fxshard.plan.plan import Plan
@@ -48,7 +49,8 @@ class PipelinedModule(nn.Module):
         self.stage_ids = spec.stages_of_rank(self.pp_rank, self.pp_size)
         self.input_names = list(cut.inputs)
         self.loss_program = cut.loss
-        self.loss_axes = tuple(getattr(cut, "loss_axes", ()))
+        self.loss_axes = tuple(cut.loss_axes)
+        self.batch_axes, self.batch_ranks = tuple(cut.batch_axes), cut.batch_ranks
         self.cut_summary = cut.describe()
         self.stage_costs = list(cut.stage_costs)
         self.boundaries = list(cut.boundaries)
@@ -214,6 +216,9 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     if loss is not None:
         cut.loss = loss
         cut.loss_axes = _loss_axes(gm, plan, loss)
+    # the axes the batch is sharded on: a loss_fn's per-rank means are averaged over them
+    cut.batch_axes = tuple(a for a in plan.axes if any(isinstance(layout.get(a), Shard) for layout in plan.inputs.values()))
+    cut.batch_ranks = math.prod(plan.axes[a] for a in cut.batch_axes)
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     return PipelinedModule(cut, spec, mesh, all_state)
@@ -312,10 +317,11 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         if target is None:
             raise PlanError("train_step: loss_fn= needs target= (what the schedule splits with the batch and passes as "
                             "loss_fn(output, target))\n  fix: train_step(staged, inputs, loss_fn, target=labels)")
-        m = spec.microbatches
+        # fxshard sums gradients over the batch's axes: each rank's mean counts 1 / ranks of the batch's
+        share = spec.microbatches * pm.batch_ranks
 
         def schedule_loss(output, tgt):
-            return loss_fn(output, tgt) / m
+            return loss_fn(output, tgt) / share
     pm._loss_fn = schedule_loss
     pm.sync_stage_state()
     shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in [*args, target])
@@ -332,8 +338,8 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
     dist.broadcast(total, src=src, group=pm.pp_group)
     if loss_fn is None and pm.loss_axes:
         total = reduce_over(total, pm.loss_axes, "sum")
-    elif loss_fn is not None and pm.loss_axes:
-        total = reduce_over(total, pm.loss_axes, "avg")
+    elif loss_fn is not None and pm.batch_axes:
+        total = reduce_over(total, pm.batch_axes, "sum")
     _sum_tied_grads(pm, tied_before)
     return total
 

@@ -120,18 +120,22 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     return name
 
 
-def _check_user_loss(rank: int) -> None:
+def _check_user_loss(mesh_shape: dict) -> None:
     """A model without a loss of its own (fxshard's Llama: tokens -> logits) and ``loss_fn=``: the
-    micro-batch means are averaged, which is the batch's mean when every micro-batch scores as
-    many tokens (no -100 here), and the gradients are one device's."""
-    mesh = make_mesh({"pp": 2, "tp": 1})
+    micro-batch means are averaged (and over the data-parallel ranks), which is the batch's mean
+    when every micro-batch scores as many tokens (no -100 here), and the gradients are one device's."""
+    mesh = make_mesh(mesh_shape)
     model = llama(n_layers=4)
     reference = copy.deepcopy(model)
     ids, target = tokens(4, 8, 128, seed=1), tokens(4, 8, 128, seed=2)
-    staged = fxshard.pipeline_transform(model, None, mesh, example_inputs=(tokens(2, 6, 128, seed=3),),
-                                        spec=pipeline("pp", microbatches=4, schedule="1F1B"))
+    spec = pipeline("pp", microbatches=2, schedule="1F1B")
+    dp = mesh_shape.get("dp", 1)
+    plan = fxshard.Plan(mesh["dp"], {}, inputs={"tokens": {"dp": Shard(0)}}, pipeline=spec) if dp > 1 else None
+    staged = fxshard.pipeline_transform(model, plan, mesh, example_inputs=(tokens(2, 6, 128, seed=3),),
+                                        spec=spec if plan is None else None)
     assert staged.loss_program is None
-    loss = train_step(staged, {"tokens": ids}, loss_fn=cross_entropy, target=target)
+    mine = (lambda t: t.chunk(dp)[mesh["dp"].get_local_rank()]) if dp > 1 else (lambda t: t)
+    loss = train_step(staged, {"tokens": mine(ids)}, loss_fn=cross_entropy, target=mine(target))
     ref_loss = cross_entropy(reference(ids), target)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL)
@@ -145,13 +149,14 @@ def _two_ranks(rank: int, world_size: int) -> None:
     for case in [("llama", pp, "1F1B", 2, 1, False), ("llama", pp, "GPipe", 4, 1, False),
                  ("llama", pp, "Interleaved1F1B", 2, 2, False), ("gpt2", pp, "1F1B", 4, 1, False)]:
         _check_case(*case)
-    _check_user_loss(rank)
+    _check_user_loss({"pp": 2, "tp": 1})
 
 
 def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:
     _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
     # the rows of one dp rank score other numbers of tokens than the other's (-100 at random)
     _check_case("llama", {"pp": 2, "dp": 2}, "GPipe", 2, 1, False)
+    _check_user_loss({"pp": 2, "dp": 2})
 
 
 def _reference_after_two_steps(family: str):

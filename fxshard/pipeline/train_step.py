@@ -208,6 +208,13 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     model_gm, loss = split_loss(captured, targets)
     model_plan = plan
     if loss is not None:
+        for a, p in plan.inputs.get(loss.target, {}).items():
+            if isinstance(p, Shard) and p.dim != 0:
+                raise PlanError(f"pipeline: the target {loss.target!r} is sharded on dim {p.dim} over {a!r}; the last "
+                                f"stage computes the model's loss on its own rows, which is exact only for a batch "
+                                f"sharded on dim 0 (HF shifts the labels along the sequence: a rank's last label belongs "
+                                f"to the next rank's tokens)\n  fix: shard the batch (dim 0) only, or pass loss_fn= with "
+                                f"labels shifted beforehand")
         example_kwargs = {k: v for k, v in (example_kwargs or {}).items() if k != loss.target}
         model_plan = plan.replace(inputs={k: v for k, v in plan.inputs.items() if k != loss.target})
     gm = transform(model_gm, model_plan, example_inputs, example_kwargs, **transform_kwargs)

@@ -136,3 +136,21 @@ def test_pipeline_transform_refuses_meshes_it_cannot_use():
             fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,), spec=pipeline("stages"))
         with pytest.raises(fxshard.PlanError, match="no pipeline spec"):
             fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,))
+
+
+def test_a_loss_the_last_stage_cannot_compute_alone_is_a_plan_error():
+    from torch.distributed.tensor import Shard
+
+    from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids, labels = tiny_inputs(batch=2, seq=8)
+    kw = {"input_ids": ids, "labels": labels}
+    spec = pipeline("pp")
+    with _fake_ranks({"pp": 2, "tp": 2}) as mesh:
+        vocab_sharded = fxshard.Plan.from_hf(mesh["tp"], model, loss_parallel=True).replace(pipeline=spec)
+        with pytest.raises(fxshard.PlanError, match=r"laid out tp=S\(\d\), but its target .labels. is tp=R.*\n  fix: a plan whose head output is replicated"):
+            fxshard.pipeline_transform(model, vocab_sharded, mesh, example_kwargs=kw)
+        sequence_sharded = fxshard.Plan(mesh["tp"], {}, inputs={"labels": {"tp": Shard(1)}}, pipeline=spec)
+        with pytest.raises(fxshard.PlanError, match=r"sharded on dim 1 over 'tp'.*\n  fix: shard the batch"):
+            fxshard.pipeline_transform(model, sequence_sharded, mesh, example_kwargs=kw)

@@ -17,10 +17,10 @@ import types
 
 from .spec import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
-from .train_step import PipelinedModule, clip_grad_norm_, grad_norm, pipeline_transform, train_step
+from .train_step import PipelinedModule, clip_grad_norm_, fully_shard, grad_norm, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
-           "train_step", "grad_norm", "clip_grad_norm_"]
+           "train_step", "grad_norm", "clip_grad_norm_", "fully_shard"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -89,6 +89,7 @@ class StageCut:
     loss_axes: tuple[str, ...] = ()  # the axes the loss's target is sharded on (the batch on dp)
     batch_axes: tuple[str, ...] = ()  # the axes any input is sharded on
     batch_ranks: int = 1  # how many ranks share the batch (the product of their sizes)
+    fsdp_ranks: int = 1  # the size of the axis given to FSDP2 (which averages gradients where fxshard sums)
 
     def describe(self) -> str:
         lines = []
@@ -119,7 +120,7 @@ def cut_stages(gm: fx.GraphModule, spec: PipelineSpec, num_stages: int, targets:
     loss_nodes = _dependents(target_nodes)
     blocks = []
     for n in nodes:
-        b = block_of(n) if n.op not in ("placeholder", "get_attr", "output") else ""
+        b = _block(n) if n.op not in ("placeholder", "get_attr", "output") else ""
         if b and b not in blocks:
             blocks.append(b)
     if len(blocks) < num_stages:
@@ -243,7 +244,7 @@ def _assign(nodes, blocks, loss_nodes, stage_of_block: list[int]) -> dict[str, i
             stage[n.name] = 0
         else:
             s = max((stage[a.name] for a in n.all_input_nodes), default=FREE)
-            b = block_of(n)
+            b = _block(n)
             if b:
                 if s > stage[b]:
                     raise PlanError(f"pipeline: node {n.name} of block {b} (stage {stage[b]}) reads a value of a later "
@@ -252,6 +253,21 @@ def _assign(nodes, blocks, loss_nodes, stage_of_block: list[int]) -> dict[str, i
                 s = stage[b]
             stage[n.name] = s
     return stage
+
+
+def _dead_code_out(graph: fx.Graph, gm: fx.GraphModule) -> None:
+    """``graph.eliminate_dead_code()`` for a graph that calls ``gm``'s submodules (fx asks the
+    owning module whether a ``call_module`` is pure)."""
+    graph.owning_module = gm
+    graph.eliminate_dead_code()
+
+
+def _block(n: fx.Node) -> str:
+    """The block of a node; a block already outlined into a submodule (``Plan(fsdp=...)``) is
+    the ``call_module`` node of its FQN."""
+    if n.op == "call_module" and n.target in (n.graph.owning_module.meta.get("fxshard_fsdp_units") or ()):
+        return n.target
+    return block_of(n)
 
 
 def _is_tensor(n: fx.Node) -> bool:
@@ -313,7 +329,7 @@ def _unit_costs(nodes, blocks: list[str], stage_of_node) -> list[StageCost]:
     for n in nodes:
         if n.op in ("placeholder", "get_attr", "output"):
             continue
-        b = block_of(n)
+        b = _block(n)
         unit = b or (current if current == "<before>" else "<after>")
         if b:
             current = b
@@ -449,7 +465,7 @@ def _build(gm, nodes, stage_of_node, stage: int, inputs: list[fx.Node], outputs:
             b.value(n)
     outs = [b.sent(o) for o in outputs]
     b.graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    b.graph.eliminate_dead_code()
+    _dead_code_out(b.graph, gm)
     stage_gm = fx.GraphModule(gm, b.graph, f"{gm.__class__.__name__}Stage{stage}")
     for prefix, m in stage_gm.named_modules():  # fx.GraphModule copies buffers, not whether they persist
         source = gm.get_submodule(prefix) if prefix else gm
@@ -459,11 +475,21 @@ def _build(gm, nodes, stage_of_node, stage: int, inputs: list[fx.Node], outputs:
     return stage_gm
 
 
+def _has_submodule(module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
+
+
 def _copy_meta(gm, new) -> None:
     held = {fqn for fqn, _ in new.named_parameters(remove_duplicate=False)} | {fqn for fqn, _ in new.named_buffers(remove_duplicate=False)}
     for k, v in gm.meta.items():
         if k == "fxshard_state" and isinstance(v, dict):
             new.meta[k] = {fqn: x for fqn, x in v.items() if fqn in held}
+        elif k == "fxshard_fsdp_units":  # the blocks FSDP2 wraps one by one: this stage's
+            new.meta[k] = [fqn for fqn in v if fqn in new._modules or _has_submodule(new, fqn)]
         elif k.startswith("fxshard") or k in ("module_dicts", "model_class"):
             new.meta[k] = v
 
@@ -501,7 +527,7 @@ def split_loss(gm: fx.GraphModule, targets: Sequence[str] = ("labels",)) -> tupl
         env[n] = graph.node_copy(n, lambda a: env[a])
     outs = [env[a] for a in from_model]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    graph.eliminate_dead_code()
+    _dead_code_out(graph, gm)
     model_gm = fx.GraphModule(gm, graph, gm.__class__.__name__)
     add_missing_state(model_gm, named_state(gm))  # a tied head's other name, unused parameters: the model's FQNs
     for prefix, m in model_gm.named_modules():
@@ -559,14 +585,14 @@ def _loss_program(gm, out_node, loss_nodes, stage_of_node, target_nodes) -> tupl
             else:
                 b.value(n)
     b.graph.output(b.value(loss))
-    b.graph.eliminate_dead_code()
+    _dead_code_out(b.graph, gm)
     summed = fx.GraphModule(gm, b.graph, "LossSum")
     # the count: nodes of the target alone (the shift, the view) and a comparison
     c = _StageBuilder(gm, summed_stage, LOSS, [target_node], "loss count")
     t = c.value(target)
     scored = c.graph.call_function(operator.ne, (t, ignore_index))
     c.graph.output(c.graph.call_method("sum", (scored,)))
-    c.graph.eliminate_dead_code()
+    _dead_code_out(c.graph, gm)
     count = fx.GraphModule(gm, c.graph, "LossCount")
     if any(n.op == "get_attr" for n in count.graph.nodes) or any(n.op == "placeholder" and n.target != target_node.target
                                                                for n in count.graph.nodes):

@@ -16,6 +16,7 @@ from fxshard.frontend.trace import trace
 from fxshard.runtime.collectives import reduce_over
 from fxshard.transform import transform
 
+from fxshard.training.fsdp import fully_shard as fxshard_fully_shard
 from fxshard.training.grad_norm import grad_norm as fxshard_grad_norm, track_parameters
 
 from .spec import PipelineSpec
@@ -51,6 +52,8 @@ class PipelinedModule(nn.Module):
         self.loss_program = cut.loss
         self.loss_axes = tuple(cut.loss_axes)
         self.batch_axes, self.batch_ranks = tuple(cut.batch_axes), cut.batch_ranks
+        # FSDP2 averages gradients over its axis where fxshard sums: the losses are scaled up by its size
+        self.fsdp_ranks = cut.fsdp_ranks
         self.cut_summary = cut.describe()
         self.stage_costs = list(cut.stage_costs)
         self.boundaries = list(cut.boundaries)
@@ -143,6 +146,16 @@ class PipelinedModule(nn.Module):
             if changed:  # fxshard.grad_norm finds a parameter's module and layout by the parameter
                 track_parameters(st)
 
+    def adopt_stage_state(self) -> None:
+        """Register the stages' tensors under their FQNs again (after something replaced them on
+        the stages, e.g. FSDP2's ``fully_shard``)."""
+        for st in self.stages:
+            for fqn, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
+                owner_path, _, name = fqn.rpartition(".")
+                owner = self.get_submodule(owner_path) if owner_path else self
+                store = owner._parameters if name in owner._parameters else owner._buffers
+                store[name] = t
+
     def schedule(self, loss_fn: Callable, shapes: tuple = ()):
         """torch's schedule over this rank's stages, made again when the batch's ``shapes``
         change (torch's stages size their p2p buffers on their first step)."""
@@ -226,6 +239,7 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     # the axes the batch is sharded on: a loss_fn's per-rank means are averaged over them
     cut.batch_axes = tuple(a for a in plan.axes if any(isinstance(layout.get(a), Shard) for layout in plan.inputs.values()))
     cut.batch_ranks = math.prod(plan.axes[a] for a in cut.batch_axes)
+    cut.fsdp_ranks = plan.axes[plan.fsdp] if plan.fsdp else 1
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     return PipelinedModule(cut, spec, mesh, all_state)
@@ -319,13 +333,13 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
 
         def schedule_loss(output, tgt):
             outs = output if isinstance(output, tuple) else (output,)
-            return program.summed(*outs, tgt) / pm._count
+            return program.summed(*outs, tgt) * (pm.fsdp_ranks / pm._count)
     else:
         if target is None:
             raise PlanError("train_step: loss_fn= needs target= (what the schedule splits with the batch and passes as "
                             "loss_fn(output, target))\n  fix: train_step(staged, inputs, loss_fn, target=labels)")
         # fxshard sums gradients over the batch's axes: each rank's mean counts 1 / ranks of the batch's
-        share = spec.microbatches * pm.batch_ranks
+        share = spec.microbatches * pm.batch_ranks / pm.fsdp_ranks
 
         def schedule_loss(output, tgt):
             return loss_fn(output, tgt) / share
@@ -338,7 +352,7 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
     tied_before = _tied_grads_before(pm)
     schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
     if pm.holds_last:
-        total = torch.stack([l.detach().float() for l in losses]).sum()
+        total = torch.stack([l.detach().float() for l in losses]).sum() / pm.fsdp_ranks
     else:
         total = torch.zeros((), dtype=torch.float32, device=args[0].device if args else "cpu")
     src = pm._global_rank_of_pp[spec.rank_of_stage(pm.num_stages - 1, pm.pp_size)]
@@ -410,10 +424,12 @@ def _sum_tied_grads(pm: PipelinedModule, before: list[torch.Tensor | None]) -> N
     for (group, p), old in zip(_tied_params(pm), before):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        step = p.grad if old is None else p.grad - old
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+        old = old.to_local() if hasattr(old, "to_local") else old
+        step = grad if old is None else grad - old
         dist.all_reduce(step, group=group)
         if old is not None:
-            p.grad.copy_(old + step)
+            grad.copy_(old + step)
 
 
 def _trivial_mesh(mesh, axis: str):
@@ -424,6 +440,27 @@ def _trivial_mesh(mesh, axis: str):
     raise PlanError(f"pipeline: the mesh has only the pipeline axis {axis!r}, and fxshard's plan needs a mesh of the "
                     f"other dims\n  fix: init_device_mesh(\"cpu\", (pp, 1), mesh_dim_names=({axis!r}, \"tp\")) and "
                     f"plan=None (or a plan on mesh[\"tp\"])")
+
+
+# ----------------------------------------------------------------------------- FSDP2 per stage
+
+
+def fully_shard(staged: PipelinedModule, mesh=None, **fsdp_kwargs) -> PipelinedModule:
+    """FSDP2 over the plan's ``fsdp`` axis on each of this rank's stages (:func:`fxshard.fully_shard`
+    per stage: each block, then the stage), in place; the module's parameters become the
+    stages' new ones.
+
+    Example::
+
+        plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
+                            fsdp="dp", pipeline=fxshard.pipeline("pp", microbatches=4))
+        staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs=kw)
+        fxshard.pipeline.fully_shard(staged, mesh["dp"])
+    """
+    for st in staged.stages:
+        fxshard_fully_shard(st, mesh, **fsdp_kwargs)
+    staged.adopt_stage_state()
+    return staged
 
 
 # ----------------------------------------------------------------------------- the gradient norm over stages

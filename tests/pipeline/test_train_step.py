@@ -31,12 +31,16 @@ MAX_NORM = 0.5
 EPS = 1e-6  # AdamW's step is g / (|g| + eps): with torch's 1e-8 a gradient of 1e-9 summed in another order moves by ~LR
 
 
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensor gradient
+
+
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool,
-                on_meta: bool = False, save_to: str | None = None) -> str:
+                on_meta: bool = False, save_to: str | None = None, fsdp: bool = False) -> str:
     """``on_meta``: the model is built on the meta device, transformed and cut, only this rank's
     stage materialized and loaded from the reference's full state dict.  ``save_to``: a
     checkpoint of the trained stages (and optimizer) is saved there."""
@@ -54,14 +58,17 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     if tp_plan:
         plan = fxshard.Plan.from_hf(mesh["tp"], source).replace(pipeline=spec)
     elif "dp" in mesh_shape:  # the batch sharded: every rank passes its rows, the loss is the whole batch's mean
-        plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}}, pipeline=spec)
+        plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
+                            fsdp="dp" if fsdp else None, pipeline=spec)
     else:
         plan = None
     dp = mesh_shape.get("dp", 1)
     mine = (lambda t: t.chunk(dp)[mesh["dp"].get_local_rank()]) if dp > 1 else (lambda t: t)
     staged = pipeline_transform(source, plan, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels},
                                 spec=spec if plan is None else None)
-    name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual} stage(s) {staged.stage_ids}"
+    name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual}{' fsdp' if fsdp else ''} stage(s) {staged.stage_ids}"
+    if fsdp:
+        fxshard.pipeline.fully_shard(staged, mesh["dp"])
     if on_meta:
         assert all(p.is_meta for p in staged.parameters()), name
         fxshard.materialize(staged, source, device="cpu", init=None)
@@ -92,7 +99,7 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
         if step == 0 and not tp_sharded:
             ref_params = dict(reference.named_parameters(remove_duplicate=False))
             for fqn, p in staged.named_parameters(remove_duplicate=False):
-                torch.testing.assert_close(p.grad, ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+                torch.testing.assert_close(_full(p.grad), ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
                                            msg=lambda m: f"{name} grad of {fqn}: {m}")
         opt.step()
         opt.zero_grad()
@@ -115,7 +122,7 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
         train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for fqn, p in staged.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(p.grad, 2 * ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+            torch.testing.assert_close(_full(p.grad), 2 * ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
                                        msg=lambda m: f"{name} accumulated grad of {fqn}: {m}")
     return name
 
@@ -156,6 +163,7 @@ def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:
     _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
     # the rows of one dp rank score other numbers of tokens than the other's (-100 at random)
     _check_case("llama", {"pp": 2, "dp": 2}, "GPipe", 2, 1, False)
+    _check_case("llama", {"pp": 2, "dp": 2}, "1F1B", 2, 1, False, fsdp=True)
     _check_user_loss({"pp": 2, "dp": 2})
 
 

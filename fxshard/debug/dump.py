@@ -49,8 +49,11 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, rec
     to show only the nodes of matching modules.  ``recursive``: also dump the graph of
     every local region (a ``call_module`` of a sub-GraphModule, e.g. an MoE block),
     after the table, with its collectives (the expert-parallel all-to-alls).
-    Transformer blocks split out for FSDP2 are shown inline, one row per node.
+    Transformer blocks split out for FSDP2 are shown inline, one row per node.  A pipelined
+    module (``fxshard.pipeline_transform``) is dumped stage by stage (this rank's).
     """
+    if "fxshard_pipeline" in getattr(gm, "meta", {}):
+        return "\n\n".join(f"== stage {i}\n" + dump(st, region, source, recursive) for i, st in zip(gm.stage_ids, gm.stages))
     axes = list(gm.meta.get("fxshard_mesh") or {})
     if not axes:
         axes = sorted({a for n in flat_nodes(gm) for a in (getattr(n.meta.get(KEY), "value", None).layout

@@ -110,6 +110,7 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
             staged(tokens(2, 8, 128))
         with pytest.raises(fxshard.PlanError, match="fxshard.pipeline.clip_grad_norm_"):
             fxshard.clip_grad_norm_(staged, 1.0)
+        assert fxshard.dump(staged).startswith("== stage 0\n")  # this rank's stage
         text = staged.describe()
         assert "holds stage(s) [0]" in text and "stage 1: layers.2 .. layers.3" in text
         assert "bubble in theory (equal stages): 0.333" in text  # (2 - 1) / (2 + 2 - 1)

@@ -23,6 +23,7 @@ from fxshard.frontend.trace import trace
 from fxshard.plan.auto_plan import auto_plan
 from fxshard.transform import transform
 from fxshard.training.fsdp import fully_shard
+from fxshard.training.compile import compile  # noqa: A004 - fxshard.compile: one graph per transformer block
 from fxshard.debug.dump import dump
 from fxshard.debug.comm_summary import comm_summary
 from fxshard.debug.explain import explain
@@ -44,7 +45,7 @@ from fxshard.pipeline import pipeline_transform, train_step
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
-    "trace", "transform", "fully_shard", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
+    "trace", "transform", "fully_shard", "compile", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
     "pipeline", "pipeline_transform", "train_step",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",

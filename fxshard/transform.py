@@ -79,6 +79,10 @@ def _under_fsdp(ctx: PassContext) -> bool:
     return bool(ctx.fsdp_axes)
 
 
+def _splits_blocks(ctx: PassContext) -> bool:
+    return ctx.split_blocks
+
+
 PIPELINE: tuple[Pass, ...] = (
     # -- the captured graph, with global shapes --------------------------------------------------------
     Pass("outline_regions", outline_regions, "nn_module_stack; plan: local regions", "region sub-GraphModules"),
@@ -108,7 +112,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("bind_runtime", bind_runtime, "ctx.mesh", "bound mesh, process groups; gm.meta mesh, cp", per_rank=True),
     Pass("shard_state", shard_state, "value of get_attr", "local shards; gm.meta state, blocks, heads", per_rank=True),
     Pass("cleanup", cleanup, "collective", "dead code gone; gm.code", per_rank=True),
-    Pass("split_blocks", split_blocks, "nn_module_stack", "block sub-GraphModules; gm.meta fsdp_units", when=_under_fsdp,
+    Pass("split_blocks", split_blocks, "nn_module_stack", "block sub-GraphModules; gm.meta fsdp_units", when=_splits_blocks,
          per_rank=True),
     Pass("register_program", register_program, "parameters", "parameter registry; FSDP2 guard", per_rank=True),
 )
@@ -144,9 +148,11 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     all-reduces of at most this many MiB (DDP's default, 25); ``None`` or ``0``: one
     per parameter.  ``overlap_grad_syncs``: a bucket's all-reduce is started when its last
     gradient is ready and waited on at the end of the backward, as DDP does (see
-    :func:`fxshard.grad_sync_bucket`); ``False``: waited on at once.  With ``Plan(fsdp="dp")`` the result calls one submodule per
-    transformer block (items of module lists, or the modules ``blocks`` matches, e.g.
-    ``"layers.*"``) for :func:`fxshard.fully_shard`, and buckets stay within a block.
+    :func:`fxshard.grad_sync_bucket`); ``False``: waited on at once.  ``blocks``: the result calls one submodule per
+    transformer block (``"auto"``: the items of module lists; or the modules an FQN
+    pattern matches, e.g. ``"layers.*"``), for :func:`fxshard.compile` (one graph per
+    block) and :func:`fxshard.fully_shard`; buckets stay within a block.  With
+    ``Plan(fsdp="dp")`` the blocks are always split (``"auto"`` unless given).
     ``stop_after``: the name of a pass in :data:`PIPELINE`; the graph right after it is
     returned (for tests and debugging: it is not a runnable program before the last pass).
     ``timings``: a dict that receives the wall time in seconds of the capture

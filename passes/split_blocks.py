@@ -1,4 +1,4 @@
-"""split_blocks: one submodule per transformer block, for FSDP2.
+"""split_blocks: one submodule per transformer block, for FSDP2 and ``fxshard.compile``.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) works per module: a forward pre-hook
 all-gathers a module's parameters, a backward hook reduce-scatters their gradients.
@@ -12,7 +12,7 @@ blocks (``gm.meta["fxshard_block"]`` on each).
 A block is, by default, an item of a module list or dict: the outermost module in a
 node's stack whose last name is a number (``layers.0``, ``model.layers.3``,
 ``transformer.h.11``); ``pattern`` (an FQN pattern such as ``"layers.*"``) picks
-others.  No node outside a block may read a value made inside it and hand it back
+others.  Runs under ``Plan(fsdp=...)`` and with ``transform(blocks=...)``.  No node outside a block may read a value made inside it and hand it back
 (``fxshard.transform`` keeps gradient-sync buckets within a block when it splits);
 such a graph is a PlanError naming the node.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from fxshard.errors import PlanError
 from fxshard.state.module_state import add_missing_state, named_state
 
 from fxshard.passes.outline_regions import outline
@@ -38,6 +39,11 @@ def split_blocks(gm: fx.GraphModule, ctx: PassContext) -> None:
         fqn = block_of(node, pattern)
         if fqn and fqn not in blocks:
             blocks[fqn] = _class_name(node, fqn)
+    if not blocks and (pattern is not None or not ctx.fsdp_axes):  # asked for blocks (FSDP2 alone may have none)
+        which = f"no module's FQN matches the blocks= pattern (as a regex: {pattern.pattern})" if pattern is not None else (
+            "blocks='auto' found no item of a module list or dict")
+        raise PlanError(f"fxshard.transform: {which}, so there is no transformer block to split out\n  fix: pass the "
+                        f"blocks' FQN pattern, e.g. blocks='layers.*' (the modules that repeat), or leave blocks= out")
     mesh = gm.meta.get("fxshard_mesh")
     for fqn, class_name in blocks.items():
         holder = gm.get_submodule(fqn)

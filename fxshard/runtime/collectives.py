@@ -447,7 +447,10 @@ def _hold_or_add(params: tuple, gs: tuple, ax: _Axis):
     (each is added to what is held); else ``gs`` with what was held back added."""
     import weakref
 
-    if params and all(p is not None for p in params) and _BINDING.get("hold_param_syncs"):
+    hold = _BINDING.get("hold_param_syncs")
+    if not hold and not _HELD:  # nothing to hold nor to add (and no id() a compiler would guard on, per parameter)
+        return tuple(gs)
+    if params and all(p is not None for p in params) and hold:
         for p, g in zip(params, gs):
             key = (id(p), ax.group_name)
             ref, held = _HELD.get(key, (None, None))

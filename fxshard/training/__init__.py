@@ -3,5 +3,6 @@
 ``grad_norm`` (``clip_grad_norm_`` / ``grad_norm`` over every rank's pieces, counted once),
 ``accumulate`` (``no_sync``: gradient accumulation without the data-parallel syncs),
 ``batch`` (``shard_inputs``: this rank's share of a global batch), ``fsdp``
-(``fully_shard``: FSDP2 on the blocks of a transformed program).
+(``fully_shard``: FSDP2 on the blocks of a transformed program), ``compile``
+(``fxshard.compile``: one compiled graph per transformer block).
 """

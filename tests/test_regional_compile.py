@@ -1,0 +1,128 @@
+"""fxshard.compile: one compiled graph per transformer block, shared by identical blocks.
+
+On real gloo ranks (one spawn): tensor parallelism with ``blocks="auto"`` and FSDP2 over
+dp (compiled after ``fxshard.fully_shard``, and before), each compiled with a backend that records
+the graphs dynamo hands it: one graph for all the identical blocks, no graph break, and
+the eager program's outputs and parameter gradients, also after an SGD step.  Without
+blocks split out, ``fxshard.compile`` is a PlanError with the fix."""
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+import fxshard
+from fxshard.testing.models import llama, llama_plan, tokens
+from fxshard.training.compile import compiled_blocks
+from harness import make_mesh, spawn
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class _Recorder:
+    """A torch.compile backend (``aot_eager``'s) recording every graph dynamo compiles and
+    the forward and backward graphs AOTAutograd makes of it."""
+
+    def __init__(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs, self.forward, self.backward = [], [], []
+
+        def keep(into):
+            return lambda gm, example_inputs: (into.append(gm), make_boxed_func(gm.forward))[1]
+
+        self._aot = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self._aot(gm, example_inputs)
+
+
+def _c10d_ops(gms) -> Counter:
+    return Counter(str(n.target).split(".")[1] for gm in gms for n in gm.graph.nodes
+                   if n.op == "call_function" and str(n.target).startswith("_c10d_functional."))
+
+
+def _steps(program, ids, tgt, steps: int = 2):
+    """Outputs and parameter gradients of ``steps`` SGD steps."""
+    opt = torch.optim.SGD(program.parameters(), lr=0.1)
+    record = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = program(ids)
+        F.cross_entropy(out.flatten(0, 1).float(), tgt.flatten()).backward()
+        record.append((out.detach(), {n: p.grad.detach().clone() for n, p in program.named_parameters()}))
+        opt.step()
+    return record
+
+
+def _check_same(got, want, what: str) -> None:
+    for step, ((out, grads), (want_out, want_grads)) in enumerate(zip(got, want)):
+        torch.testing.assert_close(out, want_out, **TOL, msg=lambda m: f"{what}, step {step}, output: {m}")
+        for name, g in want_grads.items():
+            g_got = grads[name]
+            g_got, g = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (g_got, g))
+            torch.testing.assert_close(g_got, g, **TOL, msg=lambda m: f"{what}, step {step}, {name}: {m}")
+
+
+def _compiled_vs_eager(make, ids, tgt, what: str, n_blocks: int, then=lambda program: program):
+    """``make()`` eager and ``then(fxshard.compile(make()))`` compiled, the same steps."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = then(make())
+    recorder = _Recorder()
+    compiled = then(fxshard.compile(make(), backend=recorder))
+    assert len(set(compiled_blocks(compiled).values())) == 1, compiled_blocks(compiled)
+    assert len(compiled_blocks(compiled)) == n_blocks
+    _check_same(_steps(compiled, ids, tgt), _steps(eager, ids, tgt), what)
+    # one graph for every block (dynamo reuses it: the blocks share one class), no break inside
+    assert len(recorder.graphs) == 1, (what, [len(g.graph.nodes) for g in recorder.graphs])
+    assert sum(counters["graph_break"].values()) == 0, (what, dict(counters["graph_break"]))
+    return _c10d_ops(recorder.forward), _c10d_ops(recorder.backward)
+
+
+def _check(rank: int, world_size: int) -> None:
+    ids, tgt = tokens(4, 8, 128, seed=1), tokens(4, 8, 128, seed=2)
+    model = llama(n_layers=4, rope="real")
+
+    mesh = make_mesh({"tp": 2})
+    plan = fxshard.Plan(mesh, llama_plan("tp", sequence_parallel=True))
+    forward, backward = _compiled_vs_eager(lambda: fxshard.transform(model, plan, (ids,), blocks="auto"), ids, tgt,
+                                           "tp=2 sequence parallel", 4)
+    # fxshard's collectives inside the block's graphs: Megatron-SP's 2 all-gathers and 2 reduce-scatters
+    # each way, and the norms' bucket (kept within the block) all-reduced in the backward, each waited on
+    assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, wait_tensor=4), forward
+    assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, all_reduce=1, wait_tensor=5), backward
+
+    dp_mesh = make_mesh({"dp": 2})
+    fsdp_plan = fxshard.Plan(dp_mesh, {}, inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
+    mine = slice(2 * rank, 2 * rank + 2)
+    _compiled_vs_eager(lambda: fxshard.fully_shard(fxshard.transform(model, fsdp_plan, (ids,)), dp_mesh),
+                       ids[mine], tgt[mine], "FSDP2 over dp, then compiled", 4)
+    _compiled_vs_eager(lambda: fxshard.transform(model, fsdp_plan, (ids,)), ids[mine], tgt[mine],
+                       "compiled, then FSDP2 over dp", 4, then=lambda program: fxshard.fully_shard(program, dp_mesh))
+
+
+def test_blocks_split_without_fsdp_keep_their_buckets_and_refusals():
+    """``blocks="auto"`` splits the blocks without FSDP2, each with its own gradient-sync
+    bucket; a pattern that matches nothing and a program without blocks are PlanErrors."""
+    ids = tokens(4, 8, 128)
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), llama_plan("tp", sequence_parallel=True))
+    sharded = fxshard.transform(llama(n_layers=2), plan, (ids,), blocks="auto")
+    assert sharded.meta["fxshard_fsdp_units"] == ["layers.0", "layers.1"]
+    for program, members in [(sharded, ["norm_weight"])] + [(block, ["ffn_norm_weight", "attention_norm_weight"])
+                                                           for block in sharded.layers]:
+        (bucket,) = [n for n in program.graph.nodes if n.target is fxshard.grad_sync_bucket]
+        assert [a.name.split("layers_")[-1].lstrip("0123456789_") for a in bucket.args[0]] == members
+    with pytest.raises(fxshard.PlanError, match="no module's FQN matches the blocks= pattern"):
+        fxshard.transform(llama(n_layers=2), plan, (ids,), blocks="blocks.*")
+    with pytest.raises(fxshard.PlanError, match="blocks='auto'"):
+        fxshard.compile(fxshard.transform(llama(n_layers=2), plan, (ids,)))
+
+
+def test_regional_compile_real_gloo():
+    spawn(_check, 2)

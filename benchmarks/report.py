@@ -143,13 +143,17 @@ def transform_section(p) -> str:
     meta = res.get("hf_llama_meta")
     if meta:
         body = [[r["model"], f"{r['params'] / 1e9:.1f} B", str(r["captured_nodes"]), f"{r['capture_s']:.1f}",
-                 f"{r['transform_s']:.2f}", f"{r['total_s']:.1f}", fmt_bytes(r["peak_rss"]), fmt_bytes(r["bf16_bytes"])]
+                 f"{r['transform_s']:.2f}", f"{r['total_s']:.1f}", f"{r['total_cpu_s']:.1f}",
+                 f"{r['plain_export_s']:.1f}" if "plain_export_s" in r else "n/a",
+                 f"{r['vs_plain_export']:.2f}" if "vs_plain_export" in r else "n/a",
+                 fmt_bytes(r["peak_rss"]), fmt_bytes(r["bf16_bytes"])]
                 for r in meta]
         lines += ["", f"**Capture + transform on the meta device** (HF `LlamaForCausalLM`, Llama-3 configs; `Plan.from_hf`, "
                       f"offline `MeshSpec` tp={meta[0]['tp']}; each in a fresh process; wall seconds; peak RSS is the "
                       f"whole process, Python and libraries included; `{p['command']}`):", "",
-                  _md_table(["model", "parameters", "nodes captured", "capture s", "transform s", "total s",
-                             "peak RSS", "bf16 weights (never allocated)"], body)]
+                  _md_table(["model", "parameters", "nodes captured", "capture s", "transform s", "total s", "total CPU s",
+                             "plain torch.export s", "total / plain export", "peak RSS", "bf16 weights (never allocated)"], body)]
+        lines += [""] + [f"- {r['model']}: {r['capture_blocks']}" for r in meta if r.get("capture_blocks")]
     return "\n".join(lines)
 
 

@@ -105,7 +105,7 @@ def test_communication(results):
 def test_transform_time(results):
     out = results / "transform_time.json"
     text = _run([str(BENCH / "transform_time.py"), "--layers", "1,2", "--repeats", "1", "--no-plot", "--hf-sizes", "8B",
-                 "--out", str(out)])
+                 "--no-plain-export", "--out", str(out)])
     assert "growth 2/1 layers" in text
     res = _results(out)
     one, two = res["rows"]
@@ -117,6 +117,7 @@ def test_transform_time(results):
     assert res["growth"]["nodes"] == two["nodes"] / one["nodes"]
     (meta,) = res["hf_llama_meta"]  # Llama-3-8B on the meta device: 16 GB of bf16 weights never allocated
     assert meta["params"] > 8e9 and meta["nodes"] > 1000 and meta["peak_rss"] < meta["bf16_bytes"] / 4
+    assert meta["capture_blocks"] == "stamped 29 of 32 blocks of model.layers from 3 captured"
 
 
 def test_memory(results):

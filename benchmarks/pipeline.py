@@ -6,8 +6,8 @@ The model is fxshard's Llama (``fxshard.testing.models.llama``) with a token-mea
 cross-entropy as the schedule's ``loss_fn``.  For each ``--pp`` and ``--schedules`` entry,
 ``pp`` gloo processes (one thread each) run:
 
-* ``fxshard``: ``fxshard.pipeline.pipeline_transform`` (stages cut from the transformed
-  graph, balanced by cost) and ``fxshard.pipeline.train_step``;
+* ``fxshard``: ``fxshard.pipelining.pipeline_transform`` (stages cut from the transformed
+  graph, balanced by cost) and ``fxshard.pipelining.train_step``;
 * ``torch pipeline()``: ``torch.distributed.pipelining.pipeline`` with ``SplitPoint``s at
   the blocks fxshard chose, ``pipe.build_stage``, the same schedule class.
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard.cli.launch import spawn  # noqa: E402
-from fxshard.pipeline import pipeline, pipeline_transform, train_step  # noqa: E402
+from fxshard.pipelining import pipeline, pipeline_transform, train_step  # noqa: E402
 from fxshard.testing.models import llama, tokens  # noqa: E402
 
 

@@ -39,8 +39,8 @@ from fxshard.state.checkpoint import latest_checkpoint, load, save
 from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
 from fxshard.training.batch import shard_inputs
 from fxshard.training.accumulate import no_sync
-from fxshard import pipeline  # the package is also the function: fxshard.pipeline("pp", microbatches=4)
-from fxshard.pipeline import pipeline_transform, train_step
+from fxshard.pipelining.spec import pipeline
+from fxshard.pipelining.train_step import pipeline_transform, train_step
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",

@@ -158,6 +158,10 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     ``timings``: a dict that receives the wall time in seconds of the capture
     (``"capture"``) and of every pass that ran, by name.
     """
+    if getattr(plan, "pipeline", None) is not None:
+        raise PlanError(f"this plan carries a pipeline ({plan.pipeline.axis!r}): its program is cut into stages\n  fix: "
+                        f"fxshard.pipeline_transform(model, plan, mesh, example_inputs=..., example_kwargs=...) with the "
+                        f"whole mesh, then fxshard.train_step(staged, inputs)")
     if stop_after is not None and stop_after not in PASS_NAMES:
         raise PlanError(f"stop_after={stop_after!r} is not a pass of fxshard.transform; the passes are {list(PASS_NAMES)}")
     with _gc_paused():

@@ -52,7 +52,7 @@ class Plan:
         self.mesh = mesh
         self.axes = mesh_shape(mesh)
         if pipeline is not None:
-            from fxshard.pipeline.spec import check_plan_pipeline
+            from fxshard.pipelining.spec import check_plan_pipeline
 
             check_plan_pipeline(pipeline, self.axes)
         self.pipeline = pipeline

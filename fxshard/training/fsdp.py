@@ -43,6 +43,8 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
 
     Example: ``fxshard.fully_shard(sharded, mesh)``
     """
+    if "fxshard_pipeline" in getattr(sharded, "meta", {}):  # this rank's stages: FSDP2 on each
+        return sharded.fully_shard(mesh, **fsdp_kwargs)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -64,15 +64,23 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
     """The norm of the whole model's gradient (float32, the same on every rank).
 
     ``module_or_params``: a module from :func:`fxshard.transform` (also after
-    :func:`fxshard.fully_shard`), or an iterable of its parameters.  A collective: call it
+    :func:`fxshard.fully_shard`), a pipelined one from :func:`fxshard.pipeline_transform`
+    (the norm over every stage), or an iterable of a module's parameters.  A collective: call it
     on every rank.  ``norm_type``: any p, ``inf`` or 0, as torch's.
 
     Example: ``norm = fxshard.grad_norm(sharded)``
     """
-    if "fxshard_pipeline" in getattr(module_or_params, "meta", {}):  # this rank's stages only: not the model's norm
-        raise PlanError("fxshard.grad_norm / clip_grad_norm_ on a pipelined module would take this stage's norm only\n"
-                        "  fix: fxshard.pipeline.grad_norm(staged) / fxshard.pipeline.clip_grad_norm_(staged, max_norm) "
-                        "(the norm over all stages)")
+    pipelined = "fxshard_pipeline" in getattr(module_or_params, "meta", {})
+    # this rank's stages of a pipelined module: the norm over every stage is the module's own
+    total = module_or_params.grad_norm(norm_type) if pipelined else _norm(module_or_params, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
+                           f"to disable this error and scale the gradients by the non-finite norm anyway, set "
+                           f"error_if_nonfinite=False")
+    return total
+
+
+def _norm(module_or_params, norm_type: float) -> torch.Tensor:
     groups = _by_module(module_or_params)
     p = float(norm_type)
     total = None
@@ -87,10 +95,6 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
         return torch.tensor(0.0)
     if p not in (0.0, 1.0, math.inf):
         total = total.pow(1.0 / p)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
-                           f"to disable this error and scale the gradients by the non-finite norm anyway, set "
-                           f"error_if_nonfinite=False")
     return total
 
 

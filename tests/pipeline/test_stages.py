@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from fxshard.pipeline import PipelinedModule, cut_stages, pipeline, train_step
+from fxshard.pipelining import PipelinedModule, cut_stages, pipeline, train_step
 from fxshard.testing.models import llama, tokens
 
 
@@ -108,8 +108,6 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
             train_step(staged, {"tokens": tokens(3, 8, 128)}, loss_fn=lambda out, t: out.sum(), target=torch.zeros(3))
         with pytest.raises(fxshard.PlanError, match="a pipelined module runs its stages under a schedule"):
             staged(tokens(2, 8, 128))
-        with pytest.raises(fxshard.PlanError, match="fxshard.pipeline.clip_grad_norm_"):
-            fxshard.clip_grad_norm_(staged, 1.0)
         assert fxshard.dump(staged).startswith("== stage 0\n")  # this rank's stage
         text = staged.describe()
         assert "holds stage(s) [0]" in text and "stage 1: layers.2 .. layers.3" in text
@@ -117,10 +115,12 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
 
 
 def test_plan_carries_the_pipeline_on_another_axis():
-    spec = fxshard.pipeline("pp", microbatches=4)  # the package is also the function
-    assert spec == pipeline("pp", microbatches=4) and fxshard.pipeline.train_step is fxshard.train_step
+    spec = fxshard.pipeline("pp", microbatches=4)
+    assert spec == pipeline("pp", microbatches=4) and fxshard.pipelining.train_step is fxshard.train_step
     plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {}, pipeline=spec)
     assert plan.pipeline is spec and plan == plan.replace() and "pipeline=PipelineSpec(axis='pp'" in repr(plan)
+    with pytest.raises(fxshard.PlanError, match=r"carries a pipeline \('pp'\).*\n  fix: fxshard.pipeline_transform"):
+        fxshard.transform(torch.nn.Linear(4, 4), plan, (torch.randn(2, 4),))
     with pytest.raises(fxshard.PlanError, match=r"the pipeline axis 'pp' is an axis of the plan's mesh.*\n  fix: build the plan"):
         fxshard.Plan(fxshard.MeshSpec(("pp", "tp"), (2, 2)), {}, pipeline=spec)
     with pytest.raises(fxshard.PlanError, match="expected fxshard.pipeline"):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard.pipeline import clip_grad_norm_, pipeline, pipeline_transform, train_step
+from fxshard.pipelining import pipeline, pipeline_transform, train_step
 from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
 from fxshard.testing.models import llama, tokens
 
@@ -68,7 +68,7 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
                                 spec=spec if plan is None else None)
     name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual}{' fsdp' if fsdp else ''} stage(s) {staged.stage_ids}"
     if fsdp:
-        fxshard.pipeline.fully_shard(staged, mesh["dp"])
+        fxshard.fully_shard(staged, mesh["dp"])  # FSDP2 on each of this rank's stages
     if on_meta:
         assert all(p.is_meta for p in staged.parameters()), name
         fxshard.materialize(staged, source, device="cpu", init=None)
@@ -93,7 +93,7 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
         torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} loss: {m}")
         # the norm over all stages (a tied weight once), and clipping that takes effect
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        norm = clip_grad_norm_(staged, MAX_NORM)
+        norm = fxshard.clip_grad_norm_(staged, MAX_NORM)  # the norm over every stage
         torch.testing.assert_close(norm, ref_norm, atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} step {step} grad norm: {m}")
         assert ref_norm > MAX_NORM, f"{name}: clipping at {MAX_NORM} does nothing to a norm of {float(ref_norm)}"
         if step == 0 and not tp_sharded:

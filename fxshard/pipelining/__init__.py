@@ -1,7 +1,7 @@
 """Pipeline parallelism: stages cut from fxshard's graph, run by ``torch.distributed.pipelining``.
 
 This package is also the function :func:`pipeline` (``fxshard.pipeline("pp", microbatches=4)``
-makes the spec; ``fxshard.pipeline.train_step`` etc. are its other names).
+makes the spec; ``fxshard.pipelining.train_step`` etc. are its other names).
 
 Example::
 
@@ -12,22 +12,9 @@ Example::
 
 See docs/pipeline.md.
 """
-import sys
-import types
-
 from .spec import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
 from .train_step import PipelinedModule, clip_grad_norm_, fully_shard, grad_norm, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
            "train_step", "grad_norm", "clip_grad_norm_", "fully_shard"]
-
-
-class _CallablePackage(types.ModuleType):
-    """``fxshard.pipeline(...)`` is :func:`pipeline`, and ``fxshard.pipeline.X`` this package's names."""
-
-    def __call__(self, *args, **kwargs) -> PipelineSpec:
-        return pipeline(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

@@ -29,7 +29,7 @@ class PipelinedModule(nn.Module):
     Its parameters and buffers are the stage's, under the model's own FQNs
     (``named_parameters``, ``state_dict``, an optimizer over ``parameters()`` see this
     rank's share only); :attr:`stages` are the stage GraphModules (``fxshard.dump``-able),
-    :attr:`stage_ids` their indices.  Run it with :func:`fxshard.pipeline.train_step`.
+    :attr:`stage_ids` their indices.  Run it with :func:`fxshard.pipelining.train_step`.
 
     Example::
 
@@ -103,7 +103,15 @@ class PipelinedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise PlanError("a pipelined module runs its stages under a schedule, not by a call\n  fix: loss = "
-                        "fxshard.pipeline.train_step(staged, inputs) (forward and backward of all micro-batches)")
+                        "fxshard.pipelining.train_step(staged, inputs) (forward and backward of all micro-batches)")
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """:func:`grad_norm` (what ``fxshard.grad_norm`` / ``fxshard.clip_grad_norm_`` call on this module)."""
+        return grad_norm(self, norm_type)
+
+    def fully_shard(self, mesh=None, **fsdp_kwargs) -> "PipelinedModule":
+        """:func:`fully_shard` (what ``fxshard.fully_shard`` calls on this module)."""
+        return fully_shard(self, mesh, **fsdp_kwargs)
 
     def describe(self) -> str:
         """The stages (blocks, balance cost, the values sent to the next stage at the example's
@@ -230,6 +238,8 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
                                 f"labels shifted beforehand")
         example_kwargs = {k: v for k, v in (example_kwargs or {}).items() if k != loss.target}
         model_plan = plan.replace(inputs={k: v for k, v in plan.inputs.items() if k != loss.target})
+    # within a stage the plan is an ordinary one (fxshard.transform refuses a plan that carries a pipeline)
+    model_plan = Plan(model_plan.mesh, model_plan.specs, inputs=model_plan.inputs, fsdp=model_plan.fsdp)
     gm = transform(model_gm, model_plan, example_inputs, example_kwargs, **transform_kwargs)
     pp = mesh[spec.axis].size()
     cut = cut_stages(gm, spec, spec.num_stages(pp), with_loss=False)
@@ -289,7 +299,7 @@ def train_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None
 
     Example::
 
-        loss = fxshard.pipeline.train_step(staged, {"input_ids": ids, "labels": labels})
+        loss = fxshard.pipelining.train_step(staged, {"input_ids": ids, "labels": labels})
         opt.step(); opt.zero_grad()
     """
     if not isinstance(sharded, PipelinedModule):
@@ -455,7 +465,7 @@ def fully_shard(staged: PipelinedModule, mesh=None, **fsdp_kwargs) -> PipelinedM
         plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
                             fsdp="dp", pipeline=fxshard.pipeline("pp", microbatches=4))
         staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs=kw)
-        fxshard.pipeline.fully_shard(staged, mesh["dp"])
+        fxshard.pipelining.fully_shard(staged, mesh["dp"])
     """
     for st in staged.stages:
         fxshard_fully_shard(st, mesh, **fsdp_kwargs)
@@ -471,7 +481,7 @@ def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
     every rank; a collective).  A tied parameter's copies (equal after :func:`train_step`)
     count once.
 
-    Example: ``norm = fxshard.pipeline.grad_norm(staged)``
+    Example: ``norm = fxshard.pipelining.grad_norm(staged)``
     """
     p = float(norm_type)
     staged.sync_stage_state()
@@ -492,8 +502,8 @@ def clip_grad_norm_(staged: PipelinedModule, max_norm: float, norm_type: float =
 
     Example::
 
-        loss = fxshard.pipeline.train_step(staged, inputs)
-        fxshard.pipeline.clip_grad_norm_(staged, 1.0)
+        loss = fxshard.pipelining.train_step(staged, inputs)
+        fxshard.pipelining.clip_grad_norm_(staged, 1.0)
         opt.step()
     """
     total = grad_norm(staged, norm_type)

@@ -32,7 +32,7 @@ def _batch():
     return {"input_ids": ids, "labels": labels}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gemma2", "gpt2"])  # MoE: deepseek_v3 here, mixtral on gloo below
 def test_stamped_blocks_are_the_fully_captured_blocks(family):
     model = tiny_model(family, **FAMILIES[family])
     plan = fxshard.Plan.from_hf(fxshard.MeshSpec(("tp",), (2,)), model)

@@ -55,7 +55,8 @@ from fxshard.meta import KEY, TensorInfo
 from fxshard.plan.specs import pattern_regex
 from fxshard.state.module_state import attribute
 
-__all__ = ["CommRow", "CommTotal", "CommSummary", "comm_summary", "in_region", "C10D_OPS", "fmt_bytes"]
+__all__ = ["CommRow", "CommTotal", "CommSummary", "comm_summary", "graph_rows", "in_region", "C10D_OPS", "P2P_OPS",
+           "fmt_bytes"]
 
 # The torch.ops._c10d_functional op each kind of collective runs (what torch.compile sees).
 C10D_OPS = {
@@ -66,7 +67,12 @@ C10D_OPS = {
     "ring_shift": "all_to_all_single",  # one block to the next rank of the ring (context parallelism)
 }
 
+# Point-to-point and process-group ops of a pipelined step (torch's ``c10d`` ops, not functional):
+# a stage's activations sent to the next stage, their gradients sent back, the loss broadcast.
+P2P_OPS = {"send": "send", "recv": "recv_", "broadcast": "broadcast_"}
+
 PHASES = ("forward", "backward")
+KINDS = (*C10D_OPS, *P2P_OPS)
 
 # fxshard op -> (forward kind, backward kind); None: no communication in that phase.
 _AUTOGRAD_TABLE = {
@@ -96,11 +102,14 @@ class CommRow:
     bytes: int
     purpose: str = ""
     exact: bool = True  # False: a data-dependent size (MoE dispatch), shown for the example's shapes
+    microbatch: int | None = None  # under pipeline parallelism: the micro-batch it runs for (None: once a step)
+    peer: int | None = None  # a send / recv: the other rank, its coordinate on ``axis``
 
     @property
     def c10d_op(self) -> str:
-        """The ``torch.ops._c10d_functional`` op this row runs."""
-        return C10D_OPS[self.kind]
+        """The op this row runs: ``torch.ops._c10d_functional.<op>``, or ``torch.ops.c10d.<op>``
+        for a point-to-point send / recv and a broadcast."""
+        return C10D_OPS[self.kind] if self.kind in C10D_OPS else P2P_OPS[self.kind]
 
     @property
     def wire_bytes(self) -> int:
@@ -108,8 +117,10 @@ class CommRow:
         n = self.axis_size
         if n < 1:  # axis size unknown (a graph without gm.meta["fxshard_mesh"])
             return self.bytes
-        if self.kind == "ring_shift":
-            return self.bytes  # the whole block goes to one neighbour
+        if self.kind in ("ring_shift", "send", "broadcast"):
+            return self.bytes  # the whole block goes to one neighbour (a broadcast: from its root, with a tree less)
+        if self.kind == "recv":
+            return 0
         factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
         return int(round(self.bytes * factor))
 
@@ -135,7 +146,7 @@ class CommSummary:
     def select(self, phase: str | None = None, kind: str | None = None, axis: str | None = None,
                region: str | None = None) -> list[CommRow]:
         """Rows matching every given filter; ``region`` is a module pattern (:func:`in_region`)."""
-        for name, value, allowed in (("phase", phase, PHASES), ("kind", kind, tuple(C10D_OPS))):
+        for name, value, allowed in (("phase", phase, PHASES), ("kind", kind, KINDS)):
             if value is not None and value not in allowed:
                 raise ValueError(f"comm summary: {name} must be one of {allowed}, got {value!r}")
         return [r for r in self.rows
@@ -185,10 +196,16 @@ class CommSummary:
     def __str__(self) -> str:
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items()) or "?"
         header = ["phase", "axis", "collective", "node", "op", "module", "local shape", "dtype", "bytes"]
+        pipelined = any(r.microbatch is not None for r in self.rows)
+        if pipelined:
+            header.insert(0, "mb")
         # a group of an axis (the ranks sharing a replicated head) shows its size: tp/2
-        body = [[r.phase, r.axis if r.axis_size in (0, self.mesh.get(r.axis)) else f"{r.axis}/{r.axis_size}", r.kind,
+        body = [[r.phase, r.axis if r.axis_size in (0, self.mesh.get(r.axis)) else f"{r.axis}/{r.axis_size}",
+                 r.kind if r.peer is None else f"{r.kind} {'to' if r.kind == 'send' else 'from'} {r.peer}",
                  r.node, r.op, r.region or "<top>", _fmt_shape(r.shape),
                  str(r.dtype).replace("torch.", ""), ("" if r.exact else "~") + fmt_bytes(r.bytes)] for r in self.rows]
+        if pipelined:
+            body = [["" if r.microbatch is None else str(r.microbatch), *row] for r, row in zip(self.rows, body)]
         lines = [f"fxshard comm summary  mesh: {mesh}  {self.headline()}"]
         if body:
             lines += _table(header, body)
@@ -211,14 +228,29 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
         s = fxshard.comm_summary(sharded)
         assert s.count("forward", "all_reduce", axis="tp") == 2 * n_layers
 
+    A pipelined module (:func:`fxshard.pipeline_transform`) answers with this rank's
+    rows of one ``fxshard.train_step``: every micro-batch's sends and receives between
+    stages and its stages' collectives, and the step's loss broadcast and tied-gradient
+    sums (``PipelinedModule.comm_summary``, docs/pipeline.md).
+
     ``region``: a module pattern (``"layers.0"``, ``"layers.*.attention"``); keep only the
     collectives of the matching modules and their children.
     ``inputs_require_grad``: count backward collectives that only the gradient of a
     floating-point graph input would run (off by default: inputs are data).
     """
+    if not isinstance(gm, fx.GraphModule) and callable(getattr(gm, "comm_summary", None)):
+        return gm.comm_summary(region)  # a pipelined module: its stages and what crosses between them
     mesh = dict(gm.meta.get("fxshard_mesh") or {})
-    fwd_rows, bwd_rows = _graph_rows(gm, mesh, region, [inputs_require_grad] * _n_inputs(gm), "")
+    fwd_rows, bwd_rows = graph_rows(gm, mesh, region, [inputs_require_grad] * _n_inputs(gm))
     return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
+
+
+def graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: list[bool], prefix: str = ""
+               ) -> tuple[list[CommRow], list[CommRow]]:
+    """The rows of ``gm``: (forward rows, backward rows), both in graph order.
+    ``inputs_grad``: whether each graph input requires grad (a pipeline stage's received
+    activations do)."""
+    return _graph_rows(gm, mesh, region, inputs_grad, prefix)
 
 
 def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: list[bool], prefix: str):

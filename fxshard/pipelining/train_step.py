@@ -113,6 +113,13 @@ class PipelinedModule(nn.Module):
         """:func:`fully_shard` (what ``fxshard.fully_shard`` calls on this module)."""
         return fully_shard(self, mesh, **fsdp_kwargs)
 
+    def comm_summary(self, region: str | None = None):
+        """This rank's p2p sends and receives per micro-batch, its stages' collectives and the
+        step's own (what ``fxshard.comm_summary`` calls on this module; see :mod:`.p2p`)."""
+        from .p2p import pipeline_comm_summary
+
+        return pipeline_comm_summary(self, region)
+
     def describe(self) -> str:
         """The stages (blocks, balance cost, the values sent to the next stage at the example's
         shapes), which this rank holds, and the schedule's bubble in theory.

@@ -115,6 +115,8 @@ def _carries_grad(n: fx.Node) -> bool:
 
 
 def _p2p(phase: str, kind: str, axis: str, pp: int, n: fx.Node, where: str, peer: int, purpose: str) -> CommRow:
+    if n.op == "call_method" and n.target == "new_empty" and isinstance(n.args[1][0], fx.Node):
+        n = n.args[1][0]  # a size the stage sends as an empty [s, 0] tensor: named and sized by the size
     info = _info(n)
     if isinstance(info, TensorInfo):
         shape, dtype = tuple(info.local_shape), info.dtype

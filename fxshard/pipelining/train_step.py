@@ -11,9 +11,10 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from fxshard.errors import PlanError
+from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan
 from fxshard.frontend.trace import trace
-from fxshard.runtime.collectives import reduce_over
+from fxshard.runtime.collectives import hold_param_syncs, reduce_over
 from fxshard.transform import transform
 
 from fxshard.training.fsdp import fully_shard as fxshard_fully_shard
@@ -60,17 +61,20 @@ class PipelinedModule(nn.Module):
         self.tied_stages = dict(cut.tied)  # parameter FQN -> the stages that hold a copy
         # plain attributes, not submodules: the state is registered once, below, under its FQNs
         vars(self)["stages"] = [cut.stages[i] for i in self.stage_ids]
-        held: dict[int, torch.Tensor] = {}
         non_persistent: set[str] = set()
+        stage_state = []
         for st in self.stages:
             for prefix, m in st.named_modules():
                 non_persistent.update(f"{prefix}.{b}" if prefix else b for b in m._non_persistent_buffers_set)
-            for fqn, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
-                self._register(fqn, t, isinstance(t, nn.Parameter), fqn in non_persistent)
-                held[id(t)] = t
-        for fqn, t, is_param in all_state:  # the model's other names of a held tensor (a tied head)
+            stage_state += [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]
+        held = {id(t): t for _, t in stage_state}
+        # in the model's order, with the model's other names of a held tensor (a tied head): a tensor's first
+        # name is the model's, under which a checkpoint stores its optimizer state
+        for fqn, t, is_param in all_state:
             if id(t) in held:
                 self._register(fqn, t, is_param, fqn in non_persistent)
+        for fqn, t in stage_state:
+            self._register(fqn, t, isinstance(t, nn.Parameter), fqn in non_persistent)
         self.meta = {}
         for st in self.stages:
             for k, v in st.meta.items():
@@ -88,6 +92,7 @@ class PipelinedModule(nn.Module):
         self._schedule = None
         self._schedule_shapes: tuple = ()
         self._count = None
+        self._tied_unsynced: list | None = None  # tied gradients at their last sum, while no_sync holds it back
 
     def _register(self, fqn: str, t: torch.Tensor, is_param: bool, non_persistent: bool) -> None:
         owner_path, _, name = fqn.rpartition(".")
@@ -366,7 +371,12 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
     schedule = pm.schedule(lambda output, tgt: pm._loss_fn(output, tgt), shapes)
     losses: list = []
     step_args = args if pm.holds_first else ()
-    tied_before = _tied_grads_before(pm)
+    # under fxshard.no_sync the tied copies' sum waits for the first step outside it, which sums
+    # every gradient since the last sum (the one before the first held step)
+    if pm._tied_unsynced is None:
+        pm._tied_unsynced = _tied_grads_before(pm)
+    else:  # zero_grad(set_to_none=True) within the held steps: nothing before it to keep
+        pm._tied_unsynced = [None if p.grad is None else g for (_, p), g in zip(_tied_params(pm), pm._tied_unsynced)]
     schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
     if pm.holds_last:
         total = torch.stack([l.detach().float() for l in losses]).sum() / pm.fsdp_ranks
@@ -378,8 +388,17 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         total = reduce_over(total, pm.loss_axes, "sum")
     elif loss_fn is not None and pm.batch_axes:
         total = reduce_over(total, pm.batch_axes, "sum")
-    _sum_tied_grads(pm, tied_before)
+    if not _param_syncs_held():
+        _sum_tied_grads(pm, pm._tied_unsynced)
+        pm._tied_unsynced = None
     return total
+
+
+def _param_syncs_held() -> bool:
+    """Inside ``fxshard.no_sync``? (``hold_param_syncs`` returns the setting it replaces.)"""
+    held = hold_param_syncs(True)
+    hold_param_syncs(held)
+    return held
 
 
 # ----------------------------------------------------------------------------- tied parameters
@@ -431,7 +450,8 @@ def _tied_params(pm: PipelinedModule) -> list[tuple[Any, torch.Tensor]]:
 
 def _tied_grads_before(pm: PipelinedModule) -> list[torch.Tensor | None]:
     """The tied parameters' gradients before a step: what is accumulated from earlier steps
-    (gradient accumulation) is summed already and must not be summed again."""
+    (gradient accumulation) is summed already and must not be summed again (under
+    ``fxshard.no_sync``: before the first of the steps whose sum is held back)."""
     return [None if p.grad is None else p.grad.clone() for _, p in _tied_params(pm)]
 
 
@@ -450,13 +470,13 @@ def _sum_tied_grads(pm: PipelinedModule, before: list[torch.Tensor | None]) -> N
 
 
 def _trivial_mesh(mesh, axis: str):
-    """A one-rank sub-mesh for a plan without sharding (pipeline parallelism alone)."""
+    """The mesh of a plan without sharding (pipeline parallelism alone): the mesh's other dims
+    (all of size 1 then), or, for a mesh of the pipeline axis alone, a one-rank ``MeshSpec``
+    (a plan of no sharding makes no collective, so it needs no process group)."""
     others = [a for a in mesh.mesh_dim_names if a != axis]
     if others:
         return mesh[others[0]] if len(others) == 1 else mesh[tuple(others)]
-    raise PlanError(f"pipeline: the mesh has only the pipeline axis {axis!r}, and fxshard's plan needs a mesh of the "
-                    f"other dims\n  fix: init_device_mesh(\"cpu\", (pp, 1), mesh_dim_names=({axis!r}, \"tp\")) and "
-                    f"plan=None (or a plan on mesh[\"tp\"])")
+    return MeshSpec((f"{axis}_stage",), (1,))
 
 
 # ----------------------------------------------------------------------------- FSDP2 per stage

@@ -748,9 +748,9 @@ def reduce_over(x: torch.Tensor, axes=None, op: str = "sum") -> torch.Tensor:
     count = 1
     with torch.no_grad():
         for name in names:
-            ax = comm_axis(name, "reduce_over")
-            if ax.size == 1:
+            if mesh_axis(name).size == 1:  # nothing to reduce, also on a MeshSpec (a plan of pipeline parallelism alone)
                 continue
+            ax = comm_axis(name, "reduce_over")
             x = raw_all_reduce(x, ax, "sum" if op == "avg" else op)
             count *= ax.size
     return x / count if op == "avg" else x

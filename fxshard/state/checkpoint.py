@@ -385,7 +385,9 @@ def _restore_optimizer(optimizer, names, sd) -> None:
         state.setdefault(index[fqn], {})[key] = v
     groups = []
     for g, saved in zip(optimizer.param_groups, sd["optim.param_groups"]):
-        groups.append({**saved, "params": [index[f] for f in saved["params"]]})
+        # this optimizer's own parameters: the saved group may list others (one device's, loaded by a pipeline
+        # stage) or fewer (the group one pipeline rank wrote); each one's state is found above by its FQN
+        groups.append({**saved, "params": [index[names[id(p)]] for p in g["params"]]})
     if len(groups) != len(optimizer.param_groups):
         raise PlanError(f"fxshard.load: the checkpoint has {len(groups)} parameter groups, the optimizer "
                         f"{len(optimizer.param_groups)}")

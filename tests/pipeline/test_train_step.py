@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.pipelining import pipeline, pipeline_transform, train_step
-from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+from fxshard.testing.hf_tiny import tiny_config, tiny_inputs, tiny_model
 from fxshard.testing.models import llama, tokens
 
 try:
@@ -39,13 +39,23 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
-def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool,
-                on_meta: bool = False, save_to: str | None = None, fsdp: bool = False) -> str:
-    """``on_meta``: the model is built on the meta device, transformed and cut, only this rank's
+def four_block_model(family: str):
+    """The tiny HF model with 4 blocks (a per-layer ``layer_types`` list repeated to 4: HF checks its length)."""
+    types = getattr(tiny_config(family), "layer_types", None)
+    more = {"layer_types": [types[i % len(types)] for i in range(4)]} if types else {}
+    return tiny_model(family, num_hidden_layers=4, **more)
+
+
+def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool | str,
+                on_meta: bool = False, save_to: str | None = None, fsdp: bool = False, plan_fn=None,
+                post=None) -> str:
+    """``tp_plan``: the model's HF plan (``Plan.from_hf``) on mesh axis ``"tp"`` (``True``) or the one
+    named (``"ep"``).  ``plan_fn(mesh)``: the plan otherwise (the batch's inputs chunked on dim 1
+    over ``cp``, on dim 0 over ``dp``).  ``post(staged, name)``: more checks of the staged module.  ``on_meta``: the model is built on the meta device, transformed and cut, only this rank's
     stage materialized and loaded from the reference's full state dict.  ``save_to``: a
     checkpoint of the trained stages (and optimizer) is saved there."""
     mesh = make_mesh(mesh_shape)
-    model = tiny_model(family, num_hidden_layers=4)
+    model = four_block_model(family)
     ids, labels = tiny_inputs(batch=4, seq=8, seed=1)
     example_ids, example_labels = tiny_inputs(batch=2, seq=6, seed=2)  # other tensors, other sizes
     assert (labels == -100).any() and not torch.equal(ids, labels)
@@ -54,16 +64,21 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
     source = model
     if on_meta:
         with torch.device("meta"):
-            source = tiny_model(family, num_hidden_layers=4)
-    if tp_plan:
-        plan = fxshard.Plan.from_hf(mesh["tp"], source).replace(pipeline=spec)
+            source = four_block_model(family)
+    if plan_fn is not None:
+        plan = plan_fn(mesh).replace(pipeline=spec)
+    elif tp_plan:
+        plan = fxshard.Plan.from_hf(mesh["tp" if tp_plan is True else tp_plan], source).replace(pipeline=spec)
     elif "dp" in mesh_shape:  # the batch sharded: every rank passes its rows, the loss is the whole batch's mean
         plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
                             fsdp="dp" if fsdp else None, pipeline=spec)
     else:
         plan = None
-    dp = mesh_shape.get("dp", 1)
-    mine = (lambda t: t.chunk(dp)[mesh["dp"].get_local_rank()]) if dp > 1 else (lambda t: t)
+    dp, cp = mesh_shape.get("dp", 1), mesh_shape.get("cp", 1)
+    rows = (lambda t: t.chunk(dp)[mesh["dp"].get_local_rank()]) if dp > 1 else (lambda t: t)
+
+    def mine(t):  # this rank's share: its rows, and of the input ids its piece of the sequence
+        return rows(t).chunk(cp, 1)[mesh["cp"].get_local_rank()] if cp > 1 and t is ids else rows(t)
     staged = pipeline_transform(source, plan, mesh, example_kwargs={"input_ids": example_ids, "labels": example_labels},
                                 spec=spec if plan is None else None)
     name = f"{family} {mesh_shape} {schedule} M={microbatches} v={virtual}{' fsdp' if fsdp else ''} stage(s) {staged.stage_ids}"
@@ -82,10 +97,12 @@ def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int,
             if block in f".{fqn}" and not any(fqn.startswith(b + ".") for b in held_blocks):
                 raise AssertionError(f"{name}: holds {fqn} of another stage")
     assert held_blocks and len(held_blocks) < 4, name
+    if post is not None:
+        post(staged, name)
 
     opt = torch.optim.AdamW(staged.parameters(), lr=LR, eps=EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
-    tp_sharded = mesh_shape.get("tp", 1) > 1
+    tp_sharded = mesh_shape.get("tp", 1) > 1 or mesh_shape.get("ep", 1) > 1  # gradients are local shards
     for step in range(2):
         loss = train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
         ref_loss = reference(input_ids=ids, labels=labels).loss

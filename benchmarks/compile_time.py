@@ -19,6 +19,7 @@ of every block, per-block compile keeps the hooks outside.
 
     python benchmarks/compile_time.py                          # 16 layers, aot_eager and inductor
     python benchmarks/compile_time.py --backends aot_eager --layers 4 --fsdp
+    python benchmarks/compile_time.py --backends inductor --cpp-wrapper   # one C++ compile per graph
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="aot_eager,inductor", help="comma-separated torch.compile backends")
     p.add_argument("--steps", type=int, default=3, help="steps after the first (their median is the run time)")
     p.add_argument("--fsdp", action="store_true", help="also on a dp=2 mesh under FSDP2")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="inductor's cpp_wrapper: the graph's wrapper and kernels in one C++ compile per graph (default: "
+                        "a Python wrapper, one C++ compile per distinct kernel)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/compile_time.json)")
     return p.parse_args(argv)
 
@@ -127,8 +131,9 @@ def _worker(rank: int, world: int, config: tuple, out_path: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    mesh_kind, backend, way, layers, steps = config
+    mesh_kind, backend, way, layers, steps, cpp_wrapper = config
     torch.set_num_threads(1)
+    torch._inductor.config.cpp_wrapper = cpp_wrapper
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     # imports and first-use costs (dynamo, AOTAutograd's partitioner, the backend), not counted
@@ -152,9 +157,12 @@ def main(argv=None) -> int:
         for mesh_kind in ["tp2"] + (["fsdp"] if args.fsdp else []):
             for backend in args.backends.split(","):
                 for way in WAYS:
-                    spawn(_worker, 2, (mesh_kind, backend, way, args.layers, args.steps), out_path, timeout=3600)
+                    spawn(_worker, 2, (mesh_kind, backend, way, args.layers, args.steps, args.cpp_wrapper), out_path,
+                          timeout=3600)
                     with open(out_path) as fh:
                         rows.append(json.load(fh))
+                    if args.cpp_wrapper and backend == "inductor":
+                        rows[-1]["backend"] = "inductor+cpp_wrapper"
                     r = rows[-1]
                     print(f"  {mesh_kind} {backend} {way}: compile {r['compile_s']:.1f} s, {r['graphs']} graphs", flush=True)
     print(f"compile time: the sharded fxshard.testing.models.llama ({args.layers} layers, dim 64), whole program vs "

@@ -247,15 +247,10 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
 
 def graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: list[bool], prefix: str = ""
                ) -> tuple[list[CommRow], list[CommRow]]:
-    """The rows of ``gm``: (forward rows, backward rows), both in graph order.
+    """The rows of ``gm``: (forward rows, backward rows), both in graph order; local regions
+    (sub-GraphModules such as MoE blocks) are walked where they are called.
     ``inputs_grad``: whether each graph input requires grad (a pipeline stage's received
     activations do)."""
-    return _graph_rows(gm, mesh, region, inputs_grad, prefix)
-
-
-def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: list[bool], prefix: str):
-    """(forward rows, backward rows), both in graph order; local regions (sub-GraphModules
-    such as MoE blocks) are walked where they are called."""
     grad = _requires_grad(gm, inputs_grad)
     dead = grad - _reaches_output(gm, grad)
     fwd_rows: list[CommRow] = []
@@ -267,7 +262,7 @@ def _graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad:
             inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
             bound = list(node.args) + [node.kwargs.get(ph.target) for ph in inputs[len(node.args):]]
             inner_grad = [isinstance(a, fx.Node) and a in grad for a in bound]
-            f, b = _graph_rows(sub, mesh, region, inner_grad, node.target)
+            f, b = graph_rows(sub, mesh, region, inner_grad, node.target)
             fwd_rows += f
             bwd_rows += b
             continue

@@ -56,8 +56,18 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
         print(fxshard.explain(sharded, "view_2", axis="tp"))  # one mesh axis only
 
     ``axis``: explain only this mesh axis (default: every axis).  ``max_depth``: how many
-    steps back each chain goes before it says where to continue.
+    steps back each chain goes before it says where to continue.  A pipelined module
+    (``fxshard.pipeline_transform``): the node is looked up in this rank's stages.
     """
+    if "fxshard_pipeline" in getattr(gm, "meta", {}):
+        name = node.name if isinstance(node, fx.Node) else node
+        holders = [(i, st) for i, st in zip(gm.stage_ids, gm.stages) if any(n.name == name for n in flat_nodes(st))]
+        if not holders:
+            raise ValueError(f"fxshard.explain: no stage this rank holds (stages {list(gm.stage_ids)}) has a node "
+                             f"{name!r}; the names are those of fxshard.dump(staged), and another rank holds the other "
+                             f"stages")
+        i, st = holders[0]
+        return f"(stage {i})\n" + explain(st, node if isinstance(node, str) else name, axis, max_depth)
     target = _find(gm, node)
     links = block_links(gm)
     value = _value(target)

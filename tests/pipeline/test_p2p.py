@@ -79,6 +79,16 @@ def _check(family: str, mesh_shape: dict, schedule: str, microbatches: int, virt
         per_microbatch = Counter(r.microbatch for r in sends)
         assert set(per_microbatch) == set(range(microbatches)) and len(set(per_microbatch.values())) == 1, (name, per_microbatch)
     assert summary.count("backward", "broadcast", axis="pp") == 1, name
+    # explain and dump read this rank's stages
+    first = staged.stages[0]
+    node = next(n.name for n in first.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    assert fxshard.explain(staged, node).startswith(f"(stage {staged.stage_ids[0]})"), name
+    try:
+        fxshard.explain(staged, "no_such_node")
+        raise AssertionError(f"{name}: explain of an unknown node did not raise")
+    except ValueError as e:
+        assert "no stage this rank holds" in str(e), e
+    assert f"== stage {staged.stage_ids[0]}" in fxshard.dump(staged), name
     text = str(summary)
     assert "send to" in text and "recv from" in text and "mb" in text.splitlines()[1], text
 

@@ -246,8 +246,10 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
                 raise PlanError(f"pipeline: the target {loss.target!r} is sharded on dim {p.dim} over {a!r}; the last "
                                 f"stage computes the model's loss on its own rows, which is exact only for a batch "
                                 f"sharded on dim 0 (HF shifts the labels along the sequence: a rank's last label belongs "
-                                f"to the next rank's tokens)\n  fix: shard the batch (dim 0) only, or pass loss_fn= with "
-                                f"labels shifted beforehand")
+                                f"to the next rank's tokens)\n  fix: shard the batch (dim 0) only; under context parallelism keep "
+                                f"{loss.target!r} whole and gather the sequence before the head, e.g. {{\"model.norm\": "
+                                f"fxshard.ModuleSpec(out_src={{{a!r}: Shard(1)}}, out_dst={{{a!r}: Replicate()}})}} with "
+                                f"context_parallel({a!r}, load_balance=False); or pass loss_fn= with labels shifted beforehand")
         example_kwargs = {k: v for k, v in (example_kwargs or {}).items() if k != loss.target}
         model_plan = plan.replace(inputs={k: v for k, v in plan.inputs.items() if k != loss.target})
     # within a stage the plan is an ordinary one (fxshard.transform refuses a plan that carries a pipeline)
@@ -258,13 +260,27 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     if loss is not None:
         cut.loss = loss
         cut.loss_axes = _loss_axes(gm, plan, loss)
-    # the axes the batch is sharded on: a loss_fn's per-rank means are averaged over them
-    cut.batch_axes = tuple(a for a in plan.axes if any(isinstance(layout.get(a), Shard) for layout in plan.inputs.values()))
+    # the axes whose ranks each hold a part of what a loss_fn scores (the batch on dp, a sequence left sharded
+    # on cp): their per-rank means are averaged; an output gathered over an axis (cp before the head) is
+    # scored whole on each of its ranks, whose gradients fxshard sums over the slices: counted once
+    cut.batch_axes = _sharded_output_axes(gm, plan)
     cut.batch_ranks = math.prod(plan.axes[a] for a in cut.batch_axes)
     cut.fsdp_ranks = plan.axes[plan.fsdp] if plan.fsdp else 1
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     return PipelinedModule(cut, spec, mesh, all_state)
+
+
+def _sharded_output_axes(gm, plan) -> tuple[str, ...]:
+    """The axes an input of the plan is sharded on and an output of the program still is."""
+    from fxshard.meta import KEY, TensorInfo
+
+    inputs = {a for layout in plan.inputs.values() for a, p in layout.items() if isinstance(p, Shard)}
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    infos = [getattr(v.meta.get(KEY), "value", None) for v in values if isinstance(v, torch.fx.Node)]
+    layouts = [ti.layout for ti in infos if isinstance(ti, TensorInfo)]
+    return tuple(a for a in plan.axes if a in inputs and any(isinstance(lay.get(a), Shard) for lay in layouts))
 
 
 def _loss_axes(gm, plan, loss: LossProgram) -> tuple[str, ...]:

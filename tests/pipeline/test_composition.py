@@ -60,6 +60,11 @@ def attention_context_parallel(staged, name: str) -> None:
         assert "fxshard_all_gather" in st.code and "'cp'" in st.code, f"{name}: no cp collective in\n{st.code}"
 
 
+def logits_cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
+    """Of an HF output's logits (the last stage returns the model's output structure's tensors)."""
+    return token_cross_entropy(getattr(output, "logits", output), target)
+
+
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
@@ -100,9 +105,34 @@ def _check_torchtitan_llama3(mesh_shape: dict) -> str:
     return name
 
 
+def loss_fn_over_gathered_cp(staged, name: str) -> None:
+    """Before the case's steps: ``loss_fn=`` on the logits gathered over cp gives one device's loss and
+    gradients.  Every cp rank scores the whole sequence, and fxshard sums the parameters' gradients
+    over the ranks' slices, so the loss counts once (it is not averaged over cp)."""
+    reference = four_block_model("llama")  # the case's model, seeded
+    ids, _ = tiny_inputs(batch=4, seq=8, seed=1)
+    target = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(3))
+    assert staged.batch_axes == (), f"{name}: {staged.batch_axes}"
+    cp = staged.meta["fxshard_mesh"]["cp"]
+    mine = ids.chunk(cp, 1)[torch.distributed.get_rank() % cp]  # the mesh is (pp, cp): cp is the inner dim
+    loss = train_step(staged, {"input_ids": mine}, loss_fn=logits_cross_entropy, target=target)
+    ref_loss = logits_cross_entropy(reference(input_ids=ids), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} loss_fn: {m}")
+    want = dict(reference.named_parameters())
+    for fqn, p in staged.named_parameters():
+        torch.testing.assert_close(p.grad, want[fqn].grad, atol=ATOL, rtol=ATOL, msg=lambda m: f"{name} loss_fn: {fqn}: {m}")
+        p.grad = None
+
+
+def cp_checks(staged, name: str) -> None:
+    attention_context_parallel(staged, name)
+    loss_fn_over_gathered_cp(staged, name)
+
+
 def _four_ranks(rank: int, world_size: int) -> None:
     _check_case("mixtral", {"pp": 2, "ep": 2}, "1F1B", 2, 1, "ep", post=experts_halved)
-    _check_case("llama", {"pp": 2, "cp": 2}, "1F1B", 2, 1, False, plan_fn=hf_cp_plan, post=attention_context_parallel)
+    _check_case("llama", {"pp": 2, "cp": 2}, "1F1B", 2, 1, False, plan_fn=hf_cp_plan, post=cp_checks)
     _check_case("qwen3", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True)
     _check_torchtitan_llama3({"pp": 2, "tp": 2})
 

@@ -46,7 +46,7 @@ def four_block_model(family: str):
     return tiny_model(family, num_hidden_layers=4, **more)
 
 
-def _check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool | str,
+def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool | str,
                 on_meta: bool = False, save_to: str | None = None, fsdp: bool = False, plan_fn=None,
                 post=None) -> str:
     """``tp_plan``: the model's HF plan (``Plan.from_hf``) on mesh axis ``"tp"`` (``True``) or the one
@@ -172,14 +172,14 @@ def _two_ranks(rank: int, world_size: int) -> None:
     pp = {"pp": 2, "tp": 1}
     for case in [("llama", pp, "1F1B", 2, 1, False), ("llama", pp, "GPipe", 4, 1, False),
                  ("llama", pp, "Interleaved1F1B", 2, 2, False), ("gpt2", pp, "1F1B", 4, 1, False)]:
-        _check_case(*case)
+        check_case(*case)
     _check_user_loss({"pp": 2, "tp": 1})
 
 
 def _four_ranks(rank: int, world_size: int, checkpoint: str) -> None:
-    _check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
+    check_case("llama", {"pp": 2, "tp": 2}, "1F1B", 2, 1, True, on_meta=True, save_to=checkpoint)
     # the rows of one dp rank score other numbers of tokens than the other's (-100 at random)
-    _check_case("llama", {"pp": 2, "dp": 2}, "1F1B", 2, 1, False, fsdp=True)
+    check_case("llama", {"pp": 2, "dp": 2}, "1F1B", 2, 1, False, fsdp=True)
     _check_user_loss({"pp": 2, "dp": 2})
 
 

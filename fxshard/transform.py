@@ -145,8 +145,9 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     ``example_inputs`` / ``example_kwargs`` are the single-device (global) inputs.  The
     input is never mutated, also when the transform fails.  The plan's mesh is bound for the collectives (see :func:`fxshard.bind_mesh`).
     ``bucket_cap_mb``: gradient syncs of replicated parameters are coalesced into
-    all-reduces of at most this many MiB (DDP's default, 25); ``None`` or ``0``: one
-    per parameter.  ``overlap_grad_syncs``: a bucket's all-reduce is started when its last
+    all-reduces of at most this many MiB (DDP's default, 25; as DDP's, the first bucket the
+    backward completes holds at most 1 MiB, so that its all-reduce starts early); ``None``
+    or ``0``: one per parameter.  ``overlap_grad_syncs``: a bucket's all-reduce is started when its last
     gradient is ready and waited on at the end of the backward, as DDP does (see
     :func:`fxshard.grad_sync_bucket`); ``False``: waited on at once.  ``blocks``: the result calls one submodule per
     transformer block (``"auto"``: the items of module lists; or the modules an FQN

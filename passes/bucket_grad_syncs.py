@@ -17,6 +17,9 @@ once the last of them is complete.
   last first, and a bucket is closed when the next member would take it past
   ``cap_bytes`` (local bytes, DDP's ``bucket_cap_mb``).  The bucket node sits just
   before the first use among its members.
+* When buckets overlap, the first one the backward completes (the last layers') holds
+  at most ``FIRST_BUCKET_MB``, as DDP's first bucket: its all-reduce starts early and runs
+  while the rest of the backward is computed (a larger first member gets a bucket alone).
 * ``ctx.overlap_grad_syncs``: a bucket of parameters gets ``overlap=True`` (its
   all-reduce is waited on at the end of the backward, not at once), except under FSDP2.
 * ``unit_of(node)`` names the unit a use belongs to; a bucket never mixes units.
@@ -44,6 +47,7 @@ from fxshard.meta import Collective, PassContext, TensorInfo, block_of, info
 from fxshard.state.module_state import attribute
 
 DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @dataclass
@@ -87,8 +91,13 @@ def bucket_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
                 member.first = min(member.first, order[use])
         if not groups:
             break
-        for (unit, axis, op, replicas), members in groups.items():
-            for bucket in _fill(sorted(members.values(), key=lambda m: -m.first), cap_bytes):
+        # the group whose gradients the backward completes first gets DDP's small first bucket
+        ready_first = max(groups, key=lambda k: max(m.first for m in groups[k].values())) if overlap else None
+        first_cap = min(cap_bytes, int(FIRST_BUCKET_MB * 2**20))
+        for key, members in groups.items():
+            _, axis, op, replicas = key
+            caps = (first_cap if key == ready_first else cap_bytes, cap_bytes)
+            for bucket in _fill(sorted(members.values(), key=lambda m: -m.first), caps):
                 _make_bucket(graph, bucket, axis, op, order, replicas, overlap)
         for node in list(graph.nodes):
             if _is_sync(node) and not node.users:
@@ -119,11 +128,13 @@ def _is_parameter_like(gm: fx.GraphModule, node) -> bool:
             and node.args[0].target is collectives.grad_sync_bucket)
 
 
-def _fill(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:
+def _fill(members: list[_Member], caps: tuple[int, int]) -> list[list[_Member]]:
+    """Members in backward order into buckets: the first of at most ``caps[0]`` bytes, the
+    others of at most ``caps[1]``."""
     buckets: list[list[_Member]] = [[]]
     size = 0
     for m in members:
-        if buckets[-1] and size + m.nbytes > cap_bytes:
+        if buckets[-1] and size + m.nbytes > caps[len(buckets) > 1]:
             buckets.append([])
             size = 0
         buckets[-1].append(m)

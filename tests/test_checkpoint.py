@@ -256,3 +256,53 @@ def test_commit_latest_keep_last_and_state(tmp_path):
     assert state["step"] == 3 and torch.equal(state["rng"], rng)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
     assert fxshard.latest_checkpoint(tmp_path / "nowhere") is None
+
+
+class _EmbedFirst(torch.nn.Module):
+    """A tied pair registered embedding first: the tied tensor's first name is ``emb.weight``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+class _HeadFirst(_EmbedFirst):
+    """The same tensors and names, registered head first: the first name is ``head.weight``."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.head = torch.nn.Linear(8, 32, bias=False)
+        self.emb = torch.nn.Embedding(32, 8)
+        self.emb.weight = self.head.weight
+
+
+def test_tied_state_found_under_its_other_name(tmp_path):
+    """A tied parameter's optimizer state is saved under its first name; loaded into a module
+    whose first name for it is the other one, the state is found, not silently left at zero."""
+    torch.manual_seed(0)
+    saving = _EmbedFirst()
+    ids, tgt = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+
+    def step(m, o):
+        o.zero_grad()
+        torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), tgt.flatten()).backward()
+        o.step()
+
+    opt = torch.optim.AdamW(saving.parameters(), lr=1e-2)
+    for _ in range(2):
+        step(saving, opt)
+    fxshard.save(saving, tmp_path / "c", optimizer=opt)
+    loading = _HeadFirst()
+    loading_opt = torch.optim.AdamW(loading.parameters(), lr=1e-2)
+    fxshard.load(loading, tmp_path / "c", optimizer=loading_opt)
+    state = loading_opt.state[loading.head.weight]
+    torch.testing.assert_close(state["exp_avg"], opt.state[saving.emb.weight]["exp_avg"])
+    assert float(state["step"]) == 2.0
+    step(saving, opt)
+    step(loading, loading_opt)
+    torch.testing.assert_close(loading.head.weight, saving.emb.weight)

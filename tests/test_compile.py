@@ -11,7 +11,7 @@ program must
   the forward and backward graphs, exactly the collectives that
   :func:`fxshard.comm_summary` lists, and inductor's generated code calls them.
 
-One spawn for the custom backend and ``aot_eager`` (~20 s), one for inductor (~75 s
+One spawn for the custom backend (~20 s), one for inductor (~75 s
 with a cold cache: marked slow); every case runs inside it.  Add a model family by
 adding a :class:`Case` to ``CASES``.  ``FXSHARD_TEST_VERBOSE=1`` prints the
 collectives each graph holds.
@@ -284,10 +284,12 @@ def _check_runtime_ops(rank: int) -> None:
 # ----------------------------------------------------------------------------- tests
 
 
-def test_compile_custom_backend_and_aot_eager():
-    """Custom capturing backend (collectives in the aot forward/backward graphs) for
-    every case, then ``aot_eager``, in one spawn."""
-    spawn(_compiled_ranks, 2, ["capture", "aot_eager"], list(CASES), 1.3e-6, 1e-5)
+def test_compile_custom_backend():
+    """Custom capturing backend (collectives in the aot forward/backward graphs) for every
+    case, in one spawn.  It is ``aot_autograd`` running the forward and backward graphs as
+    they come, which is what ``aot_eager`` runs (aot_eager itself: tests/test_regional_compile.py,
+    tests/test_fsdp.py)."""
+    spawn(_compiled_ranks, 2, ["capture"], list(CASES), 1.3e-6, 1e-5)
 
 
 @pytest.mark.slow  # ~75 s on 2 CPU cores with a cold inductor cache (C++ compilation)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
-STEPS = 20
+STEPS = 12
 COMMON = ["--model", "qwen3", "--steps", str(STEPS), "--clip", "0.1", "--accum", "2", "--seed", "3"]
 DP_TP = ["--mesh", "dp=2,tp=2"]
 TIMEOUT = 600

@@ -268,7 +268,12 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     cut.fsdp_ranks = plan.axes[plan.fsdp] if plan.fsdp else 1
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
-    return PipelinedModule(cut, spec, mesh, all_state)
+    staged = PipelinedModule(cut, spec, mesh, all_state)
+    # torch's schedule checks its own requirements (DualPipeV: micro-batches >= stages; interleaved: a
+    # multiple of the pp size) when made: made once here, they fail at the transform, not at the first step
+    staged.schedule(lambda output, target: output)
+    staged._schedule = None
+    return staged
 
 
 def _sharded_output_axes(gm, plan) -> tuple[str, ...]:

@@ -118,7 +118,8 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
     """``{fqn: ShardView}`` of ``module``'s persistent state (a transformed
-    GraphModule's shards, or a plain module's whole tensors) and ``{id(param): fqn}``."""
+    GraphModule's shards, or a plain module's whole tensors) and ``{id(param): fqn}``
+    (a tied tensor's first name)."""
     transformed = "fxshard_state" in getattr(module, "meta", {})
     mesh = collectives.bound_mesh() if transformed else None
     persistent = set(module.state_dict().keys())
@@ -328,31 +329,45 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
             raise PlanError(f"fxshard.load: {fqn} has the global shape {tuple(md.size)} in {path}, the model's is "
                             f"{tuple(v.global_size)}")
     sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+    aliases = _aliases(module)
     if optimizer is not None:
-        sd.update(_optimizer_targets(optimizer, views, names, saved))
+        sd.update(_optimizer_targets(optimizer, views, names, aliases, saved))
     bar = progress(None, f"loading {os.fspath(path)}", show_progress, unit="piece")
     try:
         dcp.load(sd, checkpoint_id=os.fspath(path), planner=_LoadPlanner(bar), no_dist=_single_process())
     finally:
         bar.close()
     if optimizer is not None:
-        _restore_optimizer(optimizer, names, sd)
+        _restore_optimizer(optimizer, names, aliases, sd)
     for name in (f"state.{_rank()}.pt", "state.0.pt"):
         if os.path.isfile(os.path.join(path, name)):
             return torch.load(os.path.join(path, name), weights_only=False)  # the run's own objects (schedulers, RNG)
     return None
 
 
-def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """``{name: first name}`` of every persistent tensor: a tied tensor's optimizer state is
+    stored under its first name in the saving module, which may be another of its names here
+    (a model saved whole, loaded into a program that registers the head first)."""
+    persistent = set(module.state_dict().keys())
+    first: dict[int, str] = {}
+    return {fqn: first.setdefault(id(t), fqn) for fqn, t, _ in named_state(module) if fqn in persistent}
+
+
+def _optimizer_targets(optimizer, views, names, aliases, saved) -> dict[str, Any]:
     """Tensors to load the saved optimizer state into: a parameter-shaped state in the
-    parameter's shards, any other tensor (AdamW's ``step``) whole."""
+    parameter's shards, any other tensor (AdamW's ``step``) whole; found under whichever of
+    a tied parameter's names the checkpoint used."""
     if "optim.param_groups" not in saved:
         raise PlanError("fxshard.load: the checkpoint has no optimizer state (saved without optimizer=)")
     out: dict[str, Any] = {"optim.param_groups": ()}
     for g in optimizer.param_groups:
         for p in g["params"]:
             fqn = names[id(p)]
-            prefix = f"optim.state.{fqn}."
+            for name in [fqn] + [a for a, first in aliases.items() if first == fqn and a != fqn]:
+                prefix = f"optim.state.{name}."
+                if any(k.startswith(prefix) for k in saved):
+                    break
             for key, md in ((k[len(prefix):], m) for k, m in saved.items() if k.startswith(prefix)):
                 if isinstance(md, TensorStorageMetadata):
                     dtype = md.properties.dtype
@@ -366,7 +381,7 @@ def _optimizer_targets(optimizer, views, names, saved) -> dict[str, Any]:
     return out
 
 
-def _restore_optimizer(optimizer, names, sd) -> None:
+def _restore_optimizer(optimizer, names, aliases, sd) -> None:
     index, params = {}, {}
     for g in optimizer.param_groups:
         for p in g["params"]:
@@ -376,7 +391,8 @@ def _restore_optimizer(optimizer, names, sd) -> None:
     for k, v in sd.items():
         if not k.startswith("optim.state."):
             continue
-        fqn, _, key = k[len("optim.state."):].rpartition(".")
+        name, _, key = k[len("optim.state."):].rpartition(".")
+        fqn = aliases.get(name, name)  # the state found under a tied parameter's other name
         if isinstance(v, ShardView):
             p = params[fqn]
             # under FSDP2 the optimizer steps on DTensors: its state is one too, laid out as the parameter

@@ -81,3 +81,24 @@ def test_runtime_bucket_equals_separate_syncs_with_mixed_dtypes():
             torch.testing.assert_close(rank_value(a.grad, r), torch.full((3,), 3.0))  # 1 + 2
             assert rank_value(b.grad, r).dtype == torch.bfloat16
             torch.testing.assert_close(rank_value(b.grad, r), torch.full((2, 2), 4.0, dtype=torch.bfloat16))
+
+
+def test_the_first_bucket_the_backward_completes_is_small_as_ddps():
+    """As DDP's, the first bucket the backward completes holds at most 1 MiB (a larger gradient
+    gets one alone), so its all-reduce starts while the rest of the backward runs; the other
+    buckets fill up to the cap; exact; waiting at once, every bucket has the cap."""
+    big = dict(vocab_size=4096, dim=128)  # the embedding and the head 2 MiB each, a layer 0.4 MiB
+
+    def plan(mesh):
+        return Plan(mesh, {}, inputs={"tokens": {"dp": Shard(0)}})
+
+    gm = check_simulated(lambda: llama(**big), plan, (IDS,), {"dp": 2}, loss_fn=cross_entropy, targets=(TGT,))
+    *rest, first = _buckets(gm)  # in the graph, the bucket the backward completes first comes last
+    assert _members(first) == ["output.weight"] and first.kwargs.get("overlap")
+    assert len(rest) == 1 and len(_members(rest[0])) == len(list(llama(**big).parameters())) - 1
+    small = fxshard.transform(llama(**big), plan(MeshSpec(("dp",), (2,))), (IDS,), bucket_cap_mb=0.5)
+    assert _members(_buckets(small)[-1]) == ["output.weight"]  # a cap under 1 MiB is the first bucket's too
+    sizes = [sum(v.numel() * 4 for v in b.meta["val"]) for b in _buckets(small)]
+    assert len(sizes) == 4 and all(s <= 2**19 or len(_members(b)) == 1 for s, b in zip(sizes, _buckets(small)))
+    waiting = fxshard.transform(llama(**big), plan(MeshSpec(("dp",), (2,))), (IDS,), overlap_grad_syncs=False)
+    assert len(_buckets(waiting)) == 1

@@ -135,6 +135,11 @@ def test_pipeline_transform_refuses_meshes_it_cannot_use():
             fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,), spec=pipeline("stages"))
         with pytest.raises(fxshard.PlanError, match="no pipeline spec"):
             fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids,))
+        # torch's own requirement (DualPipeV: at least as many micro-batches as its 4 stages), at the transform
+        with pytest.raises(fxshard.PlanError, match=r"DualPipeV refuses this pipeline \(4 stages over 2 ranks, 2 "
+                                                    r"micro-batches\).*at least as many microbatches as stages"):
+            fxshard.pipeline_transform(llama(n_layers=4), None, mesh, example_inputs=(ids,),
+                                       spec=pipeline("pp", microbatches=2, schedule="DualPipeV", virtual=2))
 
 
 def test_a_loss_the_last_stage_cannot_compute_alone_is_a_plan_error():

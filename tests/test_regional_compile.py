@@ -3,8 +3,10 @@
 On real gloo ranks (one spawn): tensor parallelism with ``blocks="auto"`` and FSDP2 over
 dp (compiled after ``fxshard.fully_shard``, and before), each compiled with a backend that records
 the graphs dynamo hands it: one graph for all the identical blocks, no graph break, and
-the eager program's outputs and parameter gradients, also after an SGD step.  Without
+the eager program's outputs and parameter gradients, also after an SGD step; fxshard's
+own gradient buckets over dp with ``no_sync`` accumulation, compiled.  Without
 blocks split out, ``fxshard.compile`` is a PlanError with the fix."""
+import contextlib
 from collections import Counter
 
 import pytest
@@ -45,15 +47,20 @@ def _c10d_ops(gms) -> Counter:
                    if n.op == "call_function" and str(n.target).startswith("_c10d_functional."))
 
 
-def _steps(program, ids, tgt, steps: int = 2):
-    """Outputs and parameter gradients of ``steps`` SGD steps."""
+def _steps(program, ids, tgt, steps: int = 2, accum: int = 1):
+    """Outputs and parameter gradients of ``steps`` SGD steps, each of ``accum`` micro-batches
+    (all but the last under ``fxshard.no_sync``)."""
     opt = torch.optim.SGD(program.parameters(), lr=0.1)
     record = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        out = program(ids)
-        F.cross_entropy(out.flatten(0, 1).float(), tgt.flatten()).backward()
-        record.append((out.detach(), {n: p.grad.detach().clone() for n, p in program.named_parameters()}))
+        outs = []
+        for k, (i, t) in enumerate(zip(ids.chunk(accum), tgt.chunk(accum))):
+            with fxshard.no_sync(program) if k < accum - 1 else contextlib.nullcontext():
+                out = program(i)
+                (F.cross_entropy(out.flatten(0, 1).float(), t.flatten()) / accum).backward()
+            outs.append(out.detach())
+        record.append((torch.cat(outs), {n: p.grad.detach().clone() for n, p in program.named_parameters()}))
         opt.step()
     return record
 
@@ -67,7 +74,7 @@ def _check_same(got, want, what: str) -> None:
             torch.testing.assert_close(g_got, g, **TOL, msg=lambda m: f"{what}, step {step}, {name}: {m}")
 
 
-def _compiled_vs_eager(make, ids, tgt, what: str, n_blocks: int, then=lambda program: program):
+def _compiled_vs_eager(make, ids, tgt, what: str, n_blocks: int, then=lambda program: program, accum: int = 1):
     """``make()`` eager and ``then(fxshard.compile(make()))`` compiled, the same steps."""
     from torch._dynamo.utils import counters
 
@@ -78,7 +85,7 @@ def _compiled_vs_eager(make, ids, tgt, what: str, n_blocks: int, then=lambda pro
     compiled = then(fxshard.compile(make(), backend=recorder))
     assert len(set(compiled_blocks(compiled).values())) == 1, compiled_blocks(compiled)
     assert len(compiled_blocks(compiled)) == n_blocks
-    _check_same(_steps(compiled, ids, tgt), _steps(eager, ids, tgt), what)
+    _check_same(_steps(compiled, ids, tgt, accum=accum), _steps(eager, ids, tgt, accum=accum), what)
     # one graph for every block (dynamo reuses it: the blocks share one class), no break inside
     assert len(recorder.graphs) == 1, (what, [len(g.graph.nodes) for g in recorder.graphs])
     assert sum(counters["graph_break"].values()) == 0, (what, dict(counters["graph_break"]))
@@ -99,8 +106,14 @@ def _check(rank: int, world_size: int) -> None:
     assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, all_reduce=1, wait_tensor=5), backward
 
     dp_mesh = make_mesh({"dp": 2})
-    fsdp_plan = fxshard.Plan(dp_mesh, {}, inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
+    # fxshard's own syncs over dp, accumulated under no_sync: held back in the eager program; in the
+    # compiled blocks every backward syncs (one graph, no recompile), the same gradients
+    dp_plan = fxshard.Plan(dp_mesh, {}, inputs={"tokens": {"dp": Shard(0)}})
     mine = slice(2 * rank, 2 * rank + 2)
+    with pytest.warns(UserWarning, match="inside compiled blocks run in every backward"):
+        _compiled_vs_eager(lambda: fxshard.transform(model, dp_plan, (ids,), blocks="auto"), ids[mine], tgt[mine],
+                           "dp buckets, no_sync accumulation", 4, accum=2)
+    fsdp_plan = fxshard.Plan(dp_mesh, {}, inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
     _compiled_vs_eager(lambda: fxshard.fully_shard(fxshard.transform(model, fsdp_plan, (ids,)), dp_mesh),
                        ids[mine], tgt[mine], "FSDP2 over dp, then compiled", 4)
     _compiled_vs_eager(lambda: fxshard.transform(model, fsdp_plan, (ids,)), ids[mine], tgt[mine],

@@ -447,6 +447,10 @@ def _hold_or_add(params: tuple, gs: tuple, ax: _Axis):
     (each is added to what is held); else ``gs`` with what was held back added."""
     import weakref
 
+    if torch.compiler.is_compiling():
+        # a compiled graph keeps no Python state from one backward to the next: traced, a
+        # sync always reduces (under no_sync: the same numbers, one all-reduce per backward)
+        return tuple(gs)
     hold = _BINDING.get("hold_param_syncs")
     if not hold and not _HELD:  # nothing to hold nor to add (and no id() a compiler would guard on, per parameter)
         return tuple(gs)

@@ -19,15 +19,24 @@ Example::
     opt.step()
 
 As with DDP, the optimizer must step only after a backward outside the block.
+
+Inside a compiled graph (``fxshard.compile``'s blocks, ``torch.compile``) the syncs are not
+held back: a traced backward keeps no state from one call to the next, so each backward
+there syncs its gradients (the same numbers, ``k`` all-reduces instead of one; FSDP2's
+hooks, outside the graphs, still skip theirs).  ``no_sync`` warns once when it meets
+compiled blocks.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
+import torch.fx as fx
 import torch.nn as nn
 
 from fxshard.runtime import collectives
+from fxshard.training.compile import compiled_blocks
 
 __all__ = ["no_sync"]
 
@@ -42,6 +51,10 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if isinstance(module, fx.GraphModule) and compiled_blocks(module):
+        warnings.warn("fxshard.no_sync: the gradient syncs inside compiled blocks run in every backward (a compiled "
+                      "graph holds nothing back between backwards): the same gradients, more all-reduces",
+                      stacklevel=3)
     previous = collectives.hold_param_syncs(True)
     for m in fsdp:
         m.set_requires_gradient_sync(False, recurse=False)

@@ -20,6 +20,8 @@ What it shows, in the order a step runs:
   logged as the global mean with ``fxshard.reduce_over``;
 * ``fxshard.clip_grad_norm_`` (the whole model's norm), AdamW, warmup + cosine;
 * ``--bf16``: autocast to bf16 (parameters, gradients and their reductions stay fp32);
+* ``--compile inductor``: ``fxshard.compile``, one compiled graph per transformer block,
+  shared by the identical ones (FSDP2's hooks stay outside the graphs);
 * checkpoints: ``fxshard.save(..., state=...)`` every ``--ckpt-every`` steps, committed
   only once every rank has written, and an automatic resume from
   ``fxshard.latest_checkpoint`` (so ``torchrun --max-restarts=N`` resumes a killed run);
@@ -50,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="on a mesh: fxshard.compile, one graph per transformer block (aot_eager, inductor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=0)
@@ -140,9 +144,12 @@ def shard_model(model, mesh, args, example):
         plan = fxshard.Plan(mesh, {})
     if "dp" in axes:
         plan = plan.replace(inputs={**plan.inputs, name: {"dp": Shard(0)}}, fsdp="dp")
-    sharded = fxshard.transform(model, plan, example_kwargs={name: example})
+    # blocks="auto": one submodule per transformer block, for FSDP2's per-block hooks and fxshard.compile
+    sharded = fxshard.transform(model, plan, example_kwargs={name: example}, blocks="auto" if args.compile else None)
     if "dp" in axes:
         fxshard.fully_shard(sharded, mesh)
+    if args.compile:
+        fxshard.compile(sharded, backend=args.compile)  # after fully_shard: its hooks stay outside the graphs
     return sharded
 
 

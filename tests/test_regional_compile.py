@@ -4,7 +4,8 @@ On real gloo ranks (one spawn): tensor parallelism with ``blocks="auto"`` and FS
 dp (compiled after ``fxshard.fully_shard``, and before), each compiled with a backend that records
 the graphs dynamo hands it: one graph for all the identical blocks, no graph break, and
 the eager program's outputs and parameter gradients, also after an SGD step; fxshard's
-own gradient buckets over dp with ``no_sync`` accumulation, compiled.  Without
+own gradient buckets over dp with ``no_sync`` accumulation, compiled; this rank's pipeline
+stage's blocks compiled under a 1F1B schedule.  Without
 blocks split out, ``fxshard.compile`` is a PlanError with the fix."""
 import contextlib
 from collections import Counter
@@ -94,6 +95,7 @@ def _compiled_vs_eager(make, ids, tgt, what: str, n_blocks: int, then=lambda pro
 
 def _check(rank: int, world_size: int) -> None:
     ids, tgt = tokens(4, 8, 128, seed=1), tokens(4, 8, 128, seed=2)
+    _pipelined_compiled_vs_eager(ids, tgt)
     model = llama(n_layers=4, rope="real")
 
     mesh = make_mesh({"tp": 2})
@@ -118,6 +120,40 @@ def _check(rank: int, world_size: int) -> None:
                        ids[mine], tgt[mine], "FSDP2 over dp, then compiled", 4)
     _compiled_vs_eager(lambda: fxshard.transform(model, fsdp_plan, (ids,)), ids[mine], tgt[mine],
                        "compiled, then FSDP2 over dp", 4, then=lambda program: fxshard.fully_shard(program, dp_mesh))
+
+
+def _pipelined_compiled_vs_eager(ids, tgt) -> None:
+    """pp=2, 1F1B: this rank's stage's blocks compiled (one graph), 2 SGD steps through
+    ``fxshard.train_step`` equal to the eager stages'."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = make_mesh({"pp": 2})
+    model = llama(n_layers=4, rope="real")
+    spec = fxshard.pipeline("pp", microbatches=2)
+
+    def run(compile_blocks: bool):
+        staged = fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids[:2],), spec=spec, blocks="auto")
+        if compile_blocks:
+            recorder = _Recorder()
+            fxshard.compile(staged, backend=recorder)
+            assert set(compiled_blocks(staged).values()) == {0} and len(compiled_blocks(staged)) >= 1
+        opt = torch.optim.SGD(staged.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            losses.append(fxshard.train_step(staged, {"tokens": ids}, target=tgt,
+                                             loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())))
+            opt.step()
+        if compile_blocks:
+            assert len(recorder.graphs) == 1 and sum(counters["graph_break"].values()) == 0
+        return losses, dict(staged.named_parameters())
+
+    (got_losses, got), (want_losses, want) = run(True), run(False)
+    torch.testing.assert_close(torch.stack(got_losses), torch.stack(want_losses), **TOL)
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, **TOL, msg=lambda m: f"pp=2 compiled, {name}: {m}")
 
 
 def test_blocks_split_without_fsdp_keep_their_buckets_and_refusals():

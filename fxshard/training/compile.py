@@ -45,19 +45,25 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
     compiled graphs).  Gradient-sync buckets inside a block wait where they reduce (see
     :func:`fxshard.grad_sync_bucket`); those of the root program stay overlapped.
 
+    A pipelined module (:func:`fxshard.pipeline_transform` with ``blocks="auto"``) has the
+    blocks of this rank's stages compiled, the identical ones of all its stages sharing a graph.
+
     Example: ``fxshard.compile(fxshard.transform(model, plan, (ids,), blocks="auto"), backend="aot_eager")``
     """
-    units = sharded.meta.get("fxshard_fsdp_units") if isinstance(sharded, fx.GraphModule) else None
-    if not units:
+    pipelined = "fxshard_pipeline" in getattr(sharded, "meta", {})
+    programs = list(sharded.stages) if pipelined else [sharded]
+    if not all(isinstance(p, fx.GraphModule) and p.meta.get("fxshard_fsdp_units") for p in programs):
         what = type(sharded).__name__
+        how = "fxshard.pipeline_transform(model, plan, mesh, ..., blocks='auto')" if pipelined else \
+            "fxshard.transform(model, plan, ..., blocks='auto') (or an FQN pattern such as blocks='layers.*')"
         raise PlanError(f"fxshard.compile: this {what} has no transformer blocks split out, so there is nothing to compile "
-                        f"block by block\n  fix: transform with fxshard.transform(model, plan, ..., blocks='auto') (or an "
-                        f"FQN pattern such as blocks='layers.*'), or compile the whole program with torch.compile(sharded)")
+                        f"block by block\n  fix: transform with {how}, or compile the whole program with "
+                        f"torch.compile(sharded)")
     kwargs = {"fullgraph": True, **torch_compile_kwargs}
     compiled: dict[type, object] = {}  # one compiled forward per block class
     classes: list[fx.GraphModule] = []  # the first block of each distinct code
-    for fqn in units:
-        block = sharded.get_submodule(fqn)
+    for program, fqn in ((p, fqn) for p in programs for fqn in p.meta["fxshard_fsdp_units"]):
+        block = program.get_submodule(fqn)
         if getattr(block, "_fxshard_compiled", None) is not None:
             raise PlanError(f"fxshard.compile: block {fqn!r} is compiled already\n  fix: call fxshard.compile once per program")
         _canonical_names(block, fqn)
@@ -82,8 +88,9 @@ def compiled_blocks(sharded: fx.GraphModule) -> dict[str, int]:
     """
     index: dict[int, int] = {}
     out = {}
-    for fqn in sharded.meta.get("fxshard_fsdp_units") or ():
-        fn = getattr(sharded.get_submodule(fqn), "_fxshard_compiled", None)
+    programs = sharded.stages if "fxshard_pipeline" in getattr(sharded, "meta", {}) else [sharded]
+    for program, fqn in ((p, fqn) for p in programs for fqn in p.meta.get("fxshard_fsdp_units") or ()):
+        fn = getattr(program.get_submodule(fqn), "_fxshard_compiled", None)
         if fn is not None:
             out[fqn] = index.setdefault(id(fn), len(index))
     return out

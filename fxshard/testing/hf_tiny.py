@@ -180,7 +180,8 @@ def config_class(model_type: str):
 def tiny_config(model_type: str, **overrides):
     """A tiny config of family ``model_type`` (module docstring: sizes and rules);
     ``overrides`` (field names of the config class, or names its ``attribute_map``
-    knows) are applied last.
+    knows) are applied last.  ``num_hidden_layers=n`` also sizes the per-layer lists
+    (``layer_types`` repeated, ``moe_layers`` renumbered) unless they are given too.
 
     Example::
 
@@ -192,15 +193,35 @@ def tiny_config(model_type: str, **overrides):
     kwargs = tiny_kwargs(cls, model_type)
     fields = _fields(cls)
     amap = dict(getattr(cls, "attribute_map", {}) or {})
+    named = {}
     for key, value in overrides.items():
         name = key if key in fields else amap.get(key)
         if name not in fields:
             raise TypeError(f"tiny_config({model_type!r}): {cls.__name__} has no field {key!r}")
-        kwargs[name] = value
+        named[name] = value
+    if "num_hidden_layers" in named and "num_hidden_layers" in kwargs:
+        kwargs.update(_per_layer_fields(cls(), kwargs, named["num_hidden_layers"]))
+    kwargs.update(named)
     try:
         return cls(**kwargs)
     except Exception as e:  # noqa: BLE001 - say which family and what was asked
         raise TinyBuildError(f"{model_type}: {cls.__name__}(**tiny) raised {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _per_layer_fields(default, kwargs: dict, layers: int) -> dict[str, list]:
+    """The per-layer lists of ``kwargs`` at ``layers`` layers (HF checks their length): a list
+    with an entry per layer (``layer_types``) repeated, a list of layer indices (``moe_layers``)
+    renumbered to the layers that repeat them."""
+    n_default, n = getattr(default, "num_hidden_layers", None), kwargs["num_hidden_layers"]
+    out = {}
+    for field, value in kwargs.items():
+        if not isinstance(value, list) or not isinstance(getattr(default, field, None), list) or not value:
+            continue
+        if len(getattr(default, field)) == n_default and len(value) == n:  # one entry per layer
+            out[field] = [value[i % n] for i in range(layers)]
+        elif all(isinstance(i, int) and not isinstance(i, bool) for i in value):  # layer indices
+            out[field] = [i for i in range(layers) if i % n in set(value)]
+    return out
 
 
 def tiny_kwargs(cls, model_type: str | None = None) -> dict[str, Any]:

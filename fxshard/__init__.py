@@ -39,13 +39,14 @@ from fxshard.state.checkpoint import latest_checkpoint, load, save
 from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
 from fxshard.training.batch import shard_inputs
 from fxshard.training.accumulate import no_sync
+from fxshard.training.checkpointing import checkpoint_blocks, checkpointed_blocks
 from fxshard.pipelining.spec import pipeline
 from fxshard.pipelining.train_step import pipeline_transform, train_step
 
 __all__ = [
     "Plan", "ModuleSpec", "MeshSpec", "auto_plan", "colwise", "rowwise", "sequence_parallel", "vocab_parallel", "distributed_norm",
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
-    "trace", "transform", "fully_shard", "compile", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
+    "trace", "transform", "fully_shard", "compile", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "checkpoint_blocks", "checkpointed_blocks", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
     "pipeline", "pipeline_transform", "train_step",
     "PlanError", "PlacementMismatchError", "SignatureMismatchError",
     "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",

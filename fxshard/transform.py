@@ -31,6 +31,7 @@ from fxshard.frontend.capture import flat_inputs
 from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
 from fxshard.meta import KEY, PassContext
 from fxshard.plan.plan import Plan
+from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
 from fxshard.state.module_state import add_missing_state, graph_attribute_tensors, named_state
 from fxshard.passes.outline_regions import outline_regions
 from fxshard.passes.record_shapes import record_shapes
@@ -154,6 +155,9 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
     pattern matches, e.g. ``"layers.*"``), for :func:`fxshard.compile` (one graph per
     block) and :func:`fxshard.fully_shard`; buckets stay within a block.  With
     ``Plan(fsdp="dp")`` the blocks are always split (``"auto"`` unless given).
+    A model with activation checkpointing on (HF's ``gradient_checkpointing_enable()``,
+    torch's ``checkpoint_wrapper``) has its blocks split out and checkpointed again
+    (:func:`fxshard.checkpoint_blocks`): the capture traces through the checkpoints.
     ``stop_after``: the name of a pass in :data:`PIPELINE`; the graph right after it is
     returned (for tests and debugging: it is not a runnable program before the last pass).
     ``timings``: a dict that receives the wall time in seconds of the capture
@@ -165,6 +169,10 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
                         f"whole mesh, then fxshard.train_step(staged, inputs)")
     if stop_after is not None and stop_after not in PASS_NAMES:
         raise PlanError(f"stop_after={stop_after!r} is not a pass of fxshard.transform; the passes are {list(PASS_NAMES)}")
+    # the capture traces through activation checkpointing: it is put back per block (split out for it)
+    checkpoint = isinstance(gm_or_module, nn.Module) and has_checkpointed_layers(gm_or_module)
+    if checkpoint and blocks is None:
+        blocks = "auto"
     with _gc_paused():
         with maybe_disable_local_tensor_mode(), _attributed_to("capture"), _timed("capture", timings):
             gm, shapes = _fresh_copy(gm_or_module, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
@@ -172,6 +180,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
                                     example_inputs=shapes,
                                     shapes_recorded=isinstance(gm_or_module, nn.Module) and not isinstance(gm_or_module, fx.GraphModule))
         run_pipeline(gm, ctx, stop_after=stop_after, timings=timings)
+    if checkpoint and stop_after is None:
+        checkpoint_blocks(gm)
     return gm
 
 

@@ -185,6 +185,19 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
     for name, p in reference.state_dict().items():
         torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"HF {name}: {m}")
 
+    # the same with HF's gradient checkpointing on: each decoder layer checkpointed inside FSDP2's hooks
+    checkpointing = copy.deepcopy(model)
+    checkpointing.gradient_checkpointing_enable()
+    sharded = fxshard.transform(checkpointing, plan, example_kwargs={"input_ids": ids, "labels": labels})
+    fxshard.fully_shard(sharded, mesh)
+    assert fxshard.checkpointed_blocks(sharded) == ["model.layers.0", "model.layers.1"]
+    got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
+                          loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
+    full = fxshard.full_state_dict(sharded)
+    for name, p in reference.state_dict().items():
+        torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"HF checkpointed {name}: {m}")
+
     # DTensor TP with the plan equal to HF's, then FSDP2, on the same model
     from torch.distributed.tensor.parallel import parallelize_module
 

@@ -4,7 +4,8 @@ On real gloo ranks (one spawn): tensor parallelism with ``blocks="auto"`` and FS
 dp (compiled after ``fxshard.fully_shard``, and before), each compiled with a backend that records
 the graphs dynamo hands it: one graph for all the identical blocks, no graph break, and
 the eager program's outputs and parameter gradients, also after an SGD step; fxshard's
-own gradient buckets over dp with ``no_sync`` accumulation, compiled; this rank's pipeline
+own gradient buckets over dp with ``no_sync`` accumulation, compiled; checkpointed blocks
+compiled (their backward recomputes the forward's collectives); this rank's pipeline
 stage's blocks compiled under a 1F1B schedule.  Without
 blocks split out, ``fxshard.compile`` is a PlanError with the fix."""
 import contextlib
@@ -106,6 +107,13 @@ def _check(rank: int, world_size: int) -> None:
     # each way, and the norms' bucket (kept within the block) all-reduced in the backward, each waited on
     assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, wait_tensor=4), forward
     assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, all_reduce=1, wait_tensor=5), backward
+    # checkpointed blocks: the compiled graph holds the checkpoint, its backward recomputes the forward's collectives
+    # (2 all-gathers, and 1 reduce-scatter: the block output's is not needed again)
+    forward, backward = _compiled_vs_eager(
+        lambda: fxshard.checkpoint_blocks(fxshard.transform(model, plan, (ids,), blocks="auto")), ids, tgt,
+        "tp=2 sequence parallel, checkpointed", 4)
+    assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, wait_tensor=4), forward
+    assert backward == Counter(all_gather_into_tensor=4, reduce_scatter_tensor=3, all_reduce=1, wait_tensor=8), backward
 
     dp_mesh = make_mesh({"dp": 2})
     # fxshard's own syncs over dp, accumulated under no_sync: held back in the eager program; in the

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import PlanError
+from fxshard.training.checkpointing import CHECKPOINT_META, checkpointed
 
 __all__ = ["compile", "compiled_blocks"]
 
@@ -60,7 +61,7 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
                         f"block by block\n  fix: transform with {how}, or compile the whole program with "
                         f"torch.compile(sharded)")
     kwargs = {"fullgraph": True, **torch_compile_kwargs}
-    compiled: dict[type, object] = {}  # one compiled forward per block class
+    compiled: dict[tuple[type, bool], object] = {}  # one compiled forward per block class (checkpointed or not)
     classes: list[fx.GraphModule] = []  # the first block of each distinct code
     for program, fqn in ((p, fqn) for p in programs for fqn in p.meta["fxshard_fsdp_units"]):
         block = program.get_submodule(fqn)
@@ -72,11 +73,12 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
             classes.append(block)
         elif type(block) is not type(same):
             block.__class__ = type(same)  # one class: dynamo's guard on type(self) holds for every such block
-        cls = type(block)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, **kwargs)
-        block.forward = types.MethodType(compiled[cls], block)
-        block._fxshard_compiled = compiled[cls]
+        # a checkpointed block (fxshard.checkpoint_blocks) compiles its checkpointed forward: dynamo's checkpoint op
+        key = (type(block), bool(block.meta.get(CHECKPOINT_META)))
+        if key not in compiled:
+            compiled[key] = torch.compile(checkpointed(key[0].forward) if key[1] else key[0].forward, **kwargs)
+        block.forward = types.MethodType(compiled[key], block)
+        block._fxshard_compiled = compiled[key]
     return sharded
 
 

@@ -274,11 +274,23 @@ def _is_tensor(n: fx.Node) -> bool:
     return isinstance(n.meta.get("val"), torch.Tensor)
 
 
+def _contiguous(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_contiguous())
+    except Exception:  # noqa: BLE001 - a stride that cannot be decided statically: copy to be sure
+        return False
+
+
 def _is_size(n: fx.Node) -> bool:
     """An int read at run time (a batch or sequence size): sent across a cut as the shape
     of an empty tensor (:meth:`_StageBuilder.sent`), since it changes with the micro-batch."""
     val = n.meta.get("val")
     return isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool) and n.op != "get_attr"
+
+
+def _negative(n: fx.Node) -> bool:
+    """A size that is negative at the example's shapes (``-seq_len``): it crosses a cut as ``[-s, 0]``."""
+    return _is_size(n) and _hint(n.meta["val"]) < 0
 
 
 def _is_sent(n: fx.Node) -> bool:
@@ -406,7 +418,8 @@ class _StageBuilder:
             if _is_size(n) and n.op != "placeholder":
                 p.meta["val"] = torch.empty((1, 0))
                 self.received[n] = p
-                self.env[n] = self.graph.call_method("size", (p, 0))
+                size = self.graph.call_method("size", (p, 0))
+                self.env[n] = self.graph.call_function(operator.neg, (size,)) if _negative(n) else size
                 continue
             self.env[n] = p
             if _is_tensor(n):
@@ -417,10 +430,19 @@ class _StageBuilder:
         ``[s, 0]``: torch's pipeline sends shapes ahead of values (its buffers are made from
         them), and none of the values of an empty tensor are read."""
         if not _is_size(n):
-            return self.value(n)
+            value = self.value(n)
+            if _is_tensor(n) and not _contiguous(n.meta["val"]):
+                # c10d sends and receives contiguous tensors only, and torch's stage makes the next stage's
+                # receive buffer with the strides of this output: a strided view (a transpose) is sent as a copy
+                value = self.graph.call_method("contiguous", (value,))
+                value.meta = dict(n.meta)
+            return value
         if n in self.received:
             return self.received[n]
-        return self.graph.call_method("new_empty", (self.tensors[0][1], (self.value(n), 0)))
+        value = self.value(n)
+        if _negative(n):  # a shape holds no negative size (a slice's -seq_len): its magnitude is sent
+            value = self.graph.call_function(operator.neg, (value,))
+        return self.graph.call_method("new_empty", (self.tensors[0][1], (value, 0)))
 
     def value(self, n: fx.Node) -> fx.Node:
         if n in self.env:

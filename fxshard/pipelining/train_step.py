@@ -2,6 +2,7 @@
 that reads the same with and without pipeline parallelism."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -181,10 +182,9 @@ class PipelinedModule(nn.Module):
         change (torch's stages size their p2p buffers on their first step)."""
         if self._schedule is None or self._schedule_shapes != shapes:
             self._schedule_shapes = shapes
-            from torch.distributed.pipelining import PipelineStage
-
             device = next((t.device for t in self.parameters()), torch.device("cpu"))
-            stages = [PipelineStage(st, i, self.num_stages, device, group=self.pp_group)
+            stage_cls = _stage_class()
+            stages = [stage_cls(st, i, self.num_stages, device, group=self.pp_group)
                       for st, i in zip(self.stages, self.stage_ids)]
             cls = self.spec.schedule_class
             try:
@@ -195,6 +195,32 @@ class PipelinedModule(nn.Module):
                                 f"{self.pp_size} ranks, {self.spec.microbatches} micro-batches): {e}\n  fix: see the schedule's "
                                 f"requirement above (often: micro-batches a multiple of the {self.spec.axis!r} size)") from e
         return self._schedule
+
+
+def _contiguous_sends(ops: list) -> list:
+    """The p2p ops with contiguous tensors: c10d sends a contiguous tensor only, and a stage may
+    output a strided view (a transpose, an expand) or get such a gradient for its input."""
+    for op in ops:
+        if isinstance(op.tensor, torch.Tensor) and not op.tensor.is_contiguous():
+            op.tensor = op.tensor.contiguous()
+    return ops
+
+
+@functools.cache
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class ContiguousSendStage(PipelineStage):
+        """torch's ``PipelineStage`` sending its activations and input gradients contiguous
+        (``isend`` of a non-contiguous tensor raises "input tensor has to be contiguous")."""
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            return _contiguous_sends(super().get_fwd_send_ops(fwd_chunk_id))
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int):
+            return _contiguous_sends(super().get_bwd_send_ops(bwd_chunk_id))
+
+    return ContiguousSendStage
 
 
 def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[Any] | None = None,

@@ -158,3 +158,43 @@ def test_a_loss_the_last_stage_cannot_compute_alone_is_a_plan_error():
         sequence_sharded = fxshard.Plan(mesh["tp"], {}, inputs={"labels": {"tp": Shard(1)}}, pipeline=spec)
         with pytest.raises(fxshard.PlanError, match=r"sharded on dim 1 over 'tp'.*\n  fix: shard the batch"):
             fxshard.pipeline_transform(model, sequence_sharded, mesh, example_kwargs=kw)
+
+
+class _Tail(torch.nn.Module):
+    """A block that keeps the last ``-start`` positions (``start`` a negative size made outside
+    the blocks, as Kimi-Linear's convolution slices ``[..., -seq_len:]``) and hands the next block
+    a transposed (non-contiguous) activation, as Gemma-4 and AFMoE do at a cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, start):
+        y = self.proj(x.transpose(1, 2))[:, start:]  # x: [batch, 8, seq] -> [batch, seq, 8]
+        return y.transpose(1, 2)  # a view: not contiguous
+
+
+class _TailModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Tail() for _ in range(4))
+
+    def forward(self, x):
+        start = -x.size(2)  # negative: a shape cannot carry it as it is
+        for layer in self.layers:
+            x = layer(x, start)
+        return x.sum(1)
+
+
+def test_a_negative_size_and_a_strided_activation_cross_a_cut():
+    model = _TailModel()
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {})
+    gm = fxshard.transform(model, plan, example_inputs=(torch.randn(2, 8, 6),))
+    cut = cut_stages(gm, pipeline("pp", split=["layers.2"]), 2)
+    assert any(shape == ("size",) for _, shape, _ in cut.boundaries[0]), cut.describe()  # the negative size crosses
+    x = torch.randn(3, 8, 5)  # other sizes than the example's
+    sent = cut.stages[0](x)
+    # what a c10d send takes: contiguous tensors, sizes as empty tensors of a non-negative shape
+    assert all(t.is_contiguous() for t in sent) and all(min(t.shape) >= 0 for t in sent)
+    assert (5, 0) in [tuple(t.shape) for t in sent]  # -5 as its magnitude
+    torch.testing.assert_close(cut.stages[1](*sent), model(x))

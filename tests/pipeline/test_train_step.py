@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.pipelining import pipeline, pipeline_transform, train_step
-from fxshard.testing.hf_tiny import tiny_config, tiny_inputs, tiny_model
+from fxshard.testing.hf_tiny import ALIASES, TinyBuildError, config_class, tiny_inputs, tiny_kwargs, tiny_model
 from fxshard.testing.models import llama, tokens
 
 try:
@@ -39,11 +39,42 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
+def _four_layers(cls, kwargs: dict) -> dict:
+    """Overrides of a tiny config's ``kwargs`` (config class ``cls``) that make it 4 layers: the layer
+    count under the family's name for it, every per-layer list repeated, every list of layer indices
+    renumbered; a composite config's ``text_config`` (Llama 4) made so in turn."""
+    default = cls()
+    count = next((f for f in ("num_hidden_layers", *ALIASES["num_hidden_layers"]) if f in kwargs), None)
+    if count is None:
+        sub = (getattr(cls, "sub_configs", None) or {}).get("text_config")
+        if any(isinstance(v, list) and len(v) == 4 for v in kwargs.values()):
+            return {}  # the layer count is a per-layer list's length, 4 already (Nemotron-H's layers_block_type)
+        if sub is None or not isinstance(kwargs.get("text_config"), dict):
+            raise TinyBuildError(f"{cls.__name__}: no layer count among its fields")
+        return {"text_config": {**kwargs["text_config"], **_four_layers(sub, kwargs["text_config"])}}
+    n, n_default = kwargs[count], getattr(default, count, None)
+    more = {count: 4}
+    for field, value in kwargs.items():
+        was = getattr(default, field, None)
+        if not isinstance(value, list) or not isinstance(was, (list, type(None))):
+            continue
+        ints = all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        # layer indices (Llama 4's moe_layers): sorted distinct indices, and so by default (no_rope_layers is not)
+        indices = ints and value == sorted(set(value)) and all(0 <= i < n for i in value) and \
+            (was is None or was == sorted(set(was)))
+        if len(value) == n and not indices:  # one entry per layer
+            more[field] = [value[i % n] for i in range(4)]
+        elif indices:
+            more[field] = [i for i in range(4) if i % n in set(value)]
+    return more
+
+
 def four_block_model(family: str):
-    """The tiny HF model with 4 blocks (a per-layer ``layer_types`` list repeated to 4: HF checks its length)."""
-    types = getattr(tiny_config(family), "layer_types", None)
-    more = {"layer_types": [types[i % len(types)] for i in range(4)]} if types else {}
-    return tiny_model(family, num_hidden_layers=4, **more)
+    """The tiny HF model with 4 blocks: every per-layer list of the tiny config (``layer_types``,
+    ``mlp_layer_types`` ...: HF checks their length) repeated to 4, every list of layer indices
+    (``moe_layers``) renumbered to the layers that repeat them."""
+    cls = config_class(family)
+    return tiny_model(family, **_four_layers(cls, tiny_kwargs(cls, family)))
 
 
 def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, virtual: int, tp_plan: bool | str,
@@ -116,7 +147,9 @@ def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, 
         if step == 0 and not tp_sharded:
             ref_params = dict(reference.named_parameters(remove_duplicate=False))
             for fqn, p in staged.named_parameters(remove_duplicate=False):
-                torch.testing.assert_close(_full(p.grad), ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+                want = ref_params[fqn].grad
+                torch.testing.assert_close(_full(p.grad) if p.grad is not None else torch.zeros_like(p),
+                                           want if want is not None else torch.zeros_like(p), atol=ATOL, rtol=ATOL,
                                            msg=lambda m: f"{name} grad of {fqn}: {m}")
         opt.step()
         opt.zero_grad()
@@ -139,7 +172,9 @@ def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, 
         train_step(staged, {"input_ids": mine(ids), "labels": mine(labels)})
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for fqn, p in staged.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(_full(p.grad), 2 * ref_params[fqn].grad, atol=ATOL, rtol=ATOL,
+            want = ref_params[fqn].grad  # None: unused at these shapes (a MoE's expert no token chose)
+            torch.testing.assert_close(_full(p.grad) if p.grad is not None else torch.zeros_like(p),
+                                       2 * want if want is not None else torch.zeros_like(p), atol=ATOL, rtol=ATOL,
                                        msg=lambda m: f"{name} accumulated grad of {fqn}: {m}")
     return name
 

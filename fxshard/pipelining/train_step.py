@@ -18,6 +18,7 @@ from fxshard.frontend.trace import trace
 from fxshard.runtime.collectives import hold_param_syncs, reduce_over
 from fxshard.transform import transform
 
+from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
 from fxshard.training.fsdp import fully_shard as fxshard_fully_shard
 from fxshard.training.grad_norm import grad_norm as fxshard_grad_norm, track_parameters
 
@@ -220,6 +221,16 @@ def _stage_class():
         def get_bwd_send_ops(self, bwd_chunk_id: int):
             return _contiguous_sends(super().get_bwd_send_ops(bwd_chunk_id))
 
+        def _to_tensor(self, arg):
+            """torch's shape inference runs a later stage on tensors made from the shapes it
+            receives, uninitialized: zeros instead, so that an index crossing a cut (Hunyuan-V4's
+            top-k of an earlier layer's indexer) stays in bounds and no NaN is made."""
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor) and type(t) is torch.Tensor:
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
     return ContiguousSendStage
 
 
@@ -233,7 +244,9 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     on the sub-mesh of the other dims (``mesh["tp"]``) with ``pipeline=fxshard.pipeline(...)``,
     or is ``None`` (pipeline parallelism alone; then pass ``spec=``).  ``targets``: inputs only
     the model's loss reads (HF ``labels``): the loss is cut out of the last stage and computed
-    by the schedule (see :func:`train_step`).  Other keywords go to ``fxshard.transform``.
+    by the schedule (see :func:`train_step`).  Other keywords go to ``fxshard.transform``.  A
+    model with activation checkpointing on (HF's ``gradient_checkpointing_enable()``) has the
+    blocks of its stages checkpointed (:func:`fxshard.checkpoint_blocks`).
 
     Example::
 
@@ -257,6 +270,10 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
         raise PlanError(f"pipeline: the plan's mesh has the pipeline axis {spec.axis!r}; it shards within a stage\n  fix: "
                         f"build the plan on the other dims, fxshard.Plan(mesh[{[a for a in names if a != spec.axis]!r}], ...)")
     capture = {k: transform_kwargs.pop(k) for k in ("capture", "dynamic_shapes") if k in transform_kwargs}
+    # the capture traces through activation checkpointing: put back on the stages' blocks, split out for it
+    checkpoint = has_checkpointed_layers(model)
+    if checkpoint and transform_kwargs.get("blocks") is None:
+        transform_kwargs["blocks"] = "auto"
     # a bucket of gradient syncs reads parameters of several blocks: it would pull them into one stage
     if transform_kwargs.get("bucket_cap_mb"):
         raise PlanError("pipeline_transform: bucket_cap_mb= coalesces the gradient syncs of several blocks, which the "
@@ -295,6 +312,8 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     staged = PipelinedModule(cut, spec, mesh, all_state)
+    if checkpoint:
+        checkpoint_blocks(staged)
     # torch's schedule checks its own requirements (DualPipeV: micro-batches >= stages; interleaved: a
     # multiple of the pp size) when made: made once here, they fail at the transform, not at the first step
     staged.schedule(lambda output, target: output)

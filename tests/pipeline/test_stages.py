@@ -198,3 +198,22 @@ def test_a_negative_size_and_a_strided_activation_cross_a_cut():
     assert all(t.is_contiguous() for t in sent) and all(min(t.shape) >= 0 for t in sent)
     assert (5, 0) in [tuple(t.shape) for t in sent]  # -5 as its magnitude
     torch.testing.assert_close(cut.stages[1](*sent), model(x))
+
+
+def test_the_stage_torch_runs_infers_shapes_on_zeros():
+    """torch's shape inference runs a later stage on tensors it makes from the shapes it receives:
+    uninitialized, an index among them (Hunyuan-V4's top-k of an earlier layer) is out of bounds.
+    fxshard's stage makes them zeros."""
+    from torch.distributed.pipelining._utils import extract_tensor_metas
+
+    _, gm = _program()
+    spec = pipeline("pp", microbatches=2)
+    cut = cut_stages(gm, spec, 2)
+    with _fake_ranks({"pp": 2, "tp": 1}) as mesh:
+        staged = PipelinedModule(cut, spec, mesh)
+        stage = staged.schedule(lambda out, t: out.sum())._stage
+        index = torch.full((2, 8), 2**31 - 1, dtype=torch.int32)
+        (meta,) = extract_tensor_metas((index,))
+        for _ in range(3):  # allocations that reuse freed memory would show its bytes
+            made = stage._to_tensor(meta)
+            assert made.dtype == torch.int32 and made.shape == (2, 8) and not made.any()

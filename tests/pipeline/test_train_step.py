@@ -44,6 +44,12 @@ def _four_layers(cls, kwargs: dict) -> dict:
     count under the family's name for it, every per-layer list repeated, every list of layer indices
     renumbered; a composite config's ``text_config`` (Llama 4) made so in turn."""
     default = cls()
+
+    def default_of(name):  # a heterogeneous config (Dots3) refuses a global read of a per-layer attribute
+        try:
+            return getattr(default, name, None)
+        except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError
+            return vars(default).get(name)
     count = next((f for f in ("num_hidden_layers", *ALIASES["num_hidden_layers"]) if f in kwargs), None)
     if count is None:
         sub = (getattr(cls, "sub_configs", None) or {}).get("text_config")
@@ -52,10 +58,10 @@ def _four_layers(cls, kwargs: dict) -> dict:
         if sub is None or not isinstance(kwargs.get("text_config"), dict):
             raise TinyBuildError(f"{cls.__name__}: no layer count among its fields")
         return {"text_config": {**kwargs["text_config"], **_four_layers(sub, kwargs["text_config"])}}
-    n, n_default = kwargs[count], getattr(default, count, None)
+    n, n_default = kwargs[count], default_of(count)
     more = {count: 4}
     for field, value in kwargs.items():
-        was = getattr(default, field, None)
+        was = default_of(field)
         if not isinstance(value, list) or not isinstance(was, (list, type(None))):
             continue
         ints = all(isinstance(i, int) and not isinstance(i, bool) for i in value)

@@ -61,3 +61,20 @@ def test_checkpoint_blocks_needs_blocks_and_applies_once():
     fxshard.checkpoint_blocks(split)
     forward = split.model.layers[0].forward
     assert fxshard.checkpoint_blocks(split) is split and split.model.layers[0].forward == forward
+
+
+def test_pipeline_transform_keeps_hf_gradient_checkpointing():
+    """Rank 0 of a fake pp=2 group: its stage's decoder layers are checkpointed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        model = hf_model("llama")
+        model.gradient_checkpointing_enable()
+        staged = fxshard.pipeline_transform(model, None, mesh, example_kwargs=BATCH, spec=fxshard.pipeline("pp", microbatches=2))
+        assert fxshard.checkpointed_blocks(staged) == ["model.layers.0"]
+    finally:
+        dist.destroy_process_group()

@@ -131,8 +131,8 @@ def _check(rank: int, world_size: int) -> None:
 
 
 def _pipelined_compiled_vs_eager(ids, tgt) -> None:
-    """pp=2, 1F1B: this rank's stage's blocks compiled (one graph), 2 SGD steps through
-    ``fxshard.train_step`` equal to the eager stages'."""
+    """pp=2, 1F1B: this rank's stage's blocks checkpointed and compiled (one graph), 2 SGD
+    steps through ``fxshard.train_step`` equal to the eager (checkpointed) stages'."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -143,6 +143,7 @@ def _pipelined_compiled_vs_eager(ids, tgt) -> None:
 
     def run(compile_blocks: bool):
         staged = fxshard.pipeline_transform(model, None, mesh, example_inputs=(ids[:2],), spec=spec, blocks="auto")
+        fxshard.checkpoint_blocks(staged)  # and activation checkpointing, inside the compiled graph
         if compile_blocks:
             recorder = _Recorder()
             fxshard.compile(staged, backend=recorder)

@@ -20,6 +20,8 @@ What it shows, in the order a step runs:
   logged as the global mean with ``fxshard.reduce_over``;
 * ``fxshard.clip_grad_norm_`` (the whole model's norm), AdamW, warmup + cosine;
 * ``--bf16``: autocast to bf16 (parameters, gradients and their reductions stay fp32);
+* ``--activation-checkpointing``: HF's ``gradient_checkpointing_enable()``, which
+  ``fxshard.transform`` keeps per block (``fxshard.checkpoint_blocks``);
 * ``--compile inductor``: ``fxshard.compile``, one compiled graph per transformer block,
   shared by the identical ones (FSDP2's hooks stay outside the graphs);
 * checkpoints: ``fxshard.save(..., state=...)`` every ``--ckpt-every`` steps, committed
@@ -52,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="HF's gradient_checkpointing_enable(): fxshard checkpoints each block of the sharded program")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="on a mesh: fxshard.compile, one graph per transformer block (aot_eager, inductor)")
     p.add_argument("--seed", type=int, default=0)
@@ -170,6 +174,8 @@ def main(argv=None) -> None:
     rank = torch.distributed.get_rank() if mesh is not None else 0
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.seed)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()  # kept per block by fxshard.transform (fxshard.checkpoint_blocks)
     vocab = vocab_size(model)
     name = "tokens" if args.model == TORCHTITAN else "input_ids"
     example, _ = global_batch(0, args, vocab)

@@ -172,31 +172,28 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
 
     batch = {"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}}
     plan = Plan.from_hf(mesh, model).replace(inputs=batch, fsdp="dp")
+    def trains_as_one_device(sharded, what: str) -> None:
+        fxshard.fully_shard(sharded, mesh)
+        got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
+                              loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
+        # each rank's mean over its tokens (HF's in-graph loss); equal counts per rank, so the mean of
+        # the means is the global mean
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
+        full = fxshard.full_state_dict(sharded)
+        for name, p in reference.state_dict().items():
+            torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
+
     example = ids.clone()  # one tensor under both names, as the README writes it; the run passes distinct ones
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": example, "labels": example})
     assert sharded.meta["fxshard_fsdp_units"] == ["model.layers.0", "model.layers.1"]
-    fxshard.fully_shard(sharded, mesh)
-    got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
-                          loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
-    # each rank's mean over its tokens (HF's in-graph loss); equal counts per rank, so the mean of
-    # the means is the global mean
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
-    full = fxshard.full_state_dict(sharded)
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"HF {name}: {m}")
+    trains_as_one_device(sharded, "HF")
 
     # the same with HF's gradient checkpointing on: each decoder layer checkpointed inside FSDP2's hooks
     checkpointing = copy.deepcopy(model)
     checkpointing.gradient_checkpointing_enable()
     sharded = fxshard.transform(checkpointing, plan, example_kwargs={"input_ids": ids, "labels": labels})
-    fxshard.fully_shard(sharded, mesh)
     assert fxshard.checkpointed_blocks(sharded) == ["model.layers.0", "model.layers.1"]
-    got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
-                          loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
-    full = fxshard.full_state_dict(sharded)
-    for name, p in reference.state_dict().items():
-        torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"HF checkpointed {name}: {m}")
+    trains_as_one_device(sharded, "HF checkpointed")
 
     # DTensor TP with the plan equal to HF's, then FSDP2, on the same model
     from torch.distributed.tensor.parallel import parallelize_module

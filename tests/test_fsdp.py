@@ -172,7 +172,7 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
 
     batch = {"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}}
     plan = Plan.from_hf(mesh, model).replace(inputs=batch, fsdp="dp")
-    def trains_as_one_device(sharded, what: str) -> None:
+    def trains_as_one_device(sharded, what: str) -> tuple[list, dict]:
         fxshard.fully_shard(sharded, mesh)
         got, _ = _train_local(sharded, None, None, mesh.get_group("dp"),
                               loss_of=lambda m: m(input_ids=ids[mine], labels=labels[mine]).loss)
@@ -182,11 +182,12 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
         full = fxshard.full_state_dict(sharded)
         for name, p in reference.state_dict().items():
             torch.testing.assert_close(full[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
+        return got, full
 
     example = ids.clone()  # one tensor under both names, as the README writes it; the run passes distinct ones
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": example, "labels": example})
     assert sharded.meta["fxshard_fsdp_units"] == ["model.layers.0", "model.layers.1"]
-    trains_as_one_device(sharded, "HF")
+    got, full = trains_as_one_device(sharded, "HF")
 
     # the same with HF's gradient checkpointing on: each decoder layer checkpointed inside FSDP2's hooks
     checkpointing = copy.deepcopy(model)

@@ -205,6 +205,11 @@ class ProgramMeta(TypedDict, total=False):
     fxshard_fsdp: str  # the axis FSDP2 must still be applied on (require_fully_shard -> fully_shard)
     fxshard_fsdp_units: list  # block FQNs, in order (split_blocks -> fully_shard, fxshard.compile)
     fxshard_block: str  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
+    fxshard_activation_checkpoint: bool  # on a block's sub-GraphModule: its forward runs checkpointed
+    #   (training.checkpointing.checkpoint_blocks -> fxshard.compile, checkpointed_blocks)
+    fxshard_pipeline_stage: dict  # on a pipeline stage: {"stage", "blocks"} (pipelining.stages -> PipelinedModule)
+    fxshard_pipeline: dict  # on a PipelinedModule: spec, stage ids, number of stages (pipelining.train_step ->
+    #   fully_shard, grad_norm, compile, checkpoint_blocks, comm_summary)
     fxshard_region: str  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
     fxshard_lifted: Any  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
     captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)

@@ -27,6 +27,7 @@ modified.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import operator
 from typing import Any, Sequence
@@ -159,8 +160,12 @@ def cut_stages(gm: fx.GraphModule, spec: PipelineSpec, num_stages: int, targets:
     for a in final_outputs:
         if stage_of_node[a.name] != FREE:
             uses[a] = max(uses.get(a, -1), num_stages)
+    # the values crossing each cut in an order every rank agrees on: each rank captures the model itself,
+    # and HF code that iterates a set of strings (Beam's, Gemma-4's rotary tables per layer type) traces
+    # in an order that follows the process's string hashing, which differs between processes
     order = {n: i for i, n in enumerate(nodes)}
-    live = [[a for a in sorted(uses, key=order.get) if stage_of_node[a.name] <= s < uses[a]]
+    fingerprint = _fingerprints(nodes)
+    live = [[a for a in sorted(uses, key=lambda a: (fingerprint[a], order[a])) if stage_of_node[a.name] <= s < uses[a]]
             for s in range(num_stages - 1)]
     inputs = [n for n in placeholders if n not in target_nodes]
     stages = []
@@ -179,6 +184,22 @@ def cut_stages(gm: fx.GraphModule, spec: PipelineSpec, num_stages: int, targets:
 
 
 # ----------------------------------------------------------------------------- assignment
+
+
+def _fingerprints(nodes: list[fx.Node]) -> dict[fx.Node, tuple[int, str]]:
+    """Per node, its depth (the longest path from an input or parameter: roughly the graph's order)
+    and a digest of what it computes (its op, target and inputs' digests; a parameter or buffer by
+    FQN, an input by name), neither of its name nor of its place in the graph: the same on every
+    rank whatever order the capture met the nodes in.  Two nodes with one digest compute one value."""
+    digest: dict[fx.Node, str] = {}
+    depth: dict[fx.Node, int] = {}
+    for n in nodes:
+        depth[n] = max((depth[a] + 1 for a in n.all_input_nodes), default=0)
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", None) or str(n.target)
+        module = "" if isinstance(n.target, str) else getattr(n.target, "__module__", "") or ""
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: digest[a])
+        digest[n] = hashlib.sha1(repr((n.op, module, target, args)).encode()).hexdigest()
+    return {n: (depth[n], digest[n]) for n in nodes}
 
 
 def _dependents(roots: list[fx.Node]) -> set[fx.Node]:

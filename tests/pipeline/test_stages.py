@@ -217,3 +217,40 @@ def test_the_stage_torch_runs_infers_shapes_on_zeros():
         for _ in range(3):  # allocations that reuse freed memory would show its bytes
             made = stage._to_tensor(meta)
             assert made.dtype == torch.int32 and made.shape == (2, 8) and not made.any()
+
+
+class _TwoTables(torch.nn.Module):
+    """Two tables of one shape computed before the blocks in an order that ``first`` picks, as HF
+    code iterating a set of layer types computes its rotary tables in the order of the process's
+    string hashing: two ranks' captures of one model differ in their order."""
+
+    def __init__(self, first: str):
+        super().__init__()
+        self.first = first
+        self.register_buffer("sliding", torch.arange(8.0))
+        self.register_buffer("full", -torch.arange(8.0) - 1)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        tables = {}
+        for kind in (self.first, "full" if self.first == "sliding" else "sliding"):
+            tables[kind] = getattr(self, kind) * x.sum(0)  # of the input: it crosses the cut
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * tables["sliding" if i % 2 else "full"]
+        return x
+
+
+def test_the_values_crossing_a_cut_are_in_one_order_on_ranks_that_traced_in_another():
+    plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {})
+    x = torch.randn(2, 8)
+    cuts = []
+    for first in ("sliding", "full"):
+        model = _TwoTables(first)
+        torch.manual_seed(0)
+        for layer in model.layers:
+            layer.reset_parameters()
+        gm = fxshard.transform(model, plan, example_inputs=(x,))
+        cuts.append(cut_stages(gm, pipeline("pp", split=["layers.2"]), 2))
+    # rank 0 traced "sliding" first, rank 1 "full" first: what rank 0 sends is what rank 1 reads
+    sent = cuts[0].stages[0](x)
+    torch.testing.assert_close(cuts[1].stages[1](*sent), model(x))

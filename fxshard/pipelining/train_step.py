@@ -84,6 +84,14 @@ class PipelinedModule(nn.Module):
                     self.meta.setdefault(k, {}).update(v)
                 elif k != "fxshard_pipeline_stage":
                     self.meta.setdefault(k, v)
+        # a tensor held under several names (a tied embedding and head) has its layout under one of them:
+        # each of its names gets it, so that full_state_dict gathers the shards under every name
+        layouts = self.meta.setdefault("fxshard_state", {})
+        named = [*self.named_parameters(remove_duplicate=False), *self.named_buffers(remove_duplicate=False)]
+        layout_of = {id(t): layouts[fqn] for fqn, t in named if fqn in layouts}
+        for fqn, t in named:
+            if fqn not in layouts and id(t) in layout_of:
+                layouts[fqn] = layout_of[id(t)]
         self.meta["fxshard_pipeline"] = {"spec": spec, "stage_ids": self.stage_ids, "num_stages": self.num_stages,
                                          "pp_size": self.pp_size, "pp_rank": self.pp_rank}
         for st in self.stages:

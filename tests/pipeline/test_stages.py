@@ -254,3 +254,20 @@ def test_the_values_crossing_a_cut_are_in_one_order_on_ranks_that_traced_in_anot
     # rank 0 traced "sliding" first, rank 1 "full" first: what rank 0 sends is what rank 1 reads
     sent = cuts[0].stages[0](x)
     torch.testing.assert_close(cuts[1].stages[1](*sent), model(x))
+
+
+def test_a_tied_embedding_sharded_over_tp_is_gathered_under_both_names():
+    """Gemma-3 and Cohere-2 tie the embedding to the head, which the HF plan shards over the vocabulary:
+    the layout is recorded under one name, and the full state dict gathers the tensor under both."""
+    from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=True)
+    ids, labels = tiny_inputs(batch=2, seq=8)
+    with _fake_ranks({"pp": 2, "tp": 2}) as mesh:
+        plan = fxshard.Plan.from_hf(mesh["tp"], model).replace(pipeline=pipeline("pp", microbatches=2))
+        staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs={"input_ids": ids, "labels": labels})
+        full = fxshard.full_state_dict(staged)  # the fake group's gathers: the shapes, not the values
+    want = model.state_dict()
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(full)
+    for fqn, t in full.items():
+        assert t.shape == want[fqn].shape, (fqn, t.shape, want[fqn].shape)

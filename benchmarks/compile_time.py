@@ -20,6 +20,11 @@ of every block, per-block compile keeps the hooks outside.
     python benchmarks/compile_time.py                          # 16 layers, aot_eager and inductor
     python benchmarks/compile_time.py --backends aot_eager --layers 4 --fsdp
     python benchmarks/compile_time.py --backends inductor --cpp-wrapper   # one C++ compile per graph
+    python benchmarks/compile_time.py --device cuda --world 1  # NCCL, one GPU per rank, Triton kernels
+
+With ``--device cuda`` every run is a fresh ``torchrun`` of ``--world`` ranks on NCCL (one GPU
+each; a single GPU gives a one-rank mesh, whose program still holds the sharded graph's
+structure and its collectives).
 """
 from __future__ import annotations
 
@@ -47,22 +52,28 @@ def parse_args(argv=None):
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="inductor's cpp_wrapper: the graph's wrapper and kernels in one C++ compile per graph (default: "
                         "a Python wrapper, one C++ compile per distinct kernel)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: spawned gloo ranks; cuda: a torchrun of --world NCCL ranks per run")
+    p.add_argument("--world", type=int, default=2, help="ranks (on cuda: GPUs) per run")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run under torchrun
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/compile_time.json)")
     return p.parse_args(argv)
 
 
 def _program(mesh_kind: str, way: str, layers: int, ids):
+    import torch.distributed as dist
     import fxshard
     from fxshard.testing.models import llama, llama_plan
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    model = llama(n_layers=layers, rope="real")  # real rope: inductor has no complex codegen
+    device, world = ids.device.type, dist.get_world_size()
+    model = llama(n_layers=layers, rope="real").to(device)  # real rope: inductor has no complex codegen
     blocks = "auto" if way == "per-block" else None
-    if mesh_kind == "tp2":
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    if mesh_kind == "tp":
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("tp",))
         return fxshard.transform(model, fxshard.Plan(mesh, llama_plan("tp")), (ids,), blocks=blocks)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
     plan = fxshard.Plan(mesh, {}, inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
     return fxshard.fully_shard(fxshard.transform(model, plan, (ids,), blocks=blocks), mesh)
 
@@ -80,7 +91,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _run(mesh_kind: str, way: str, backend: str, layers: int, steps: int) -> dict:
+def _run(mesh_kind: str, way: str, backend: str, layers: int, steps: int, device: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -88,9 +99,9 @@ def _run(mesh_kind: str, way: str, backend: str, layers: int, steps: int) -> dic
     import fxshard
     from fxshard.testing.models import tokens
 
-    ids, tgt = tokens(4, 16, 128, seed=1), tokens(4, 16, 128, seed=2)
-    if mesh_kind == "fsdp":  # this rank's half of the batch
-        ids, tgt = (t.chunk(2)[dist.get_rank()] for t in (ids, tgt))
+    ids, tgt = tokens(4, 16, 128, seed=1).to(device), tokens(4, 16, 128, seed=2).to(device)
+    if mesh_kind == "fsdp":  # this rank's part of the batch
+        ids, tgt = (t.chunk(dist.get_world_size())[dist.get_rank()] for t in (ids, tgt))
     want = _step(_program(mesh_kind, way, layers, ids), ids, tgt)
     program = _program(mesh_kind, way, layers, ids)
     torch._dynamo.reset()
@@ -104,22 +115,26 @@ def _run(mesh_kind: str, way: str, backend: str, layers: int, steps: int) -> dic
         return lookup_backend(backend)(gm, example_inputs)
 
     compiled = torch.compile(program, backend=counting) if way == "whole" else fxshard.compile(program, backend=counting)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     dist.barrier()
     t0 = time.perf_counter()
     got = _step(compiled, ids, tgt)
+    sync()
     first = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         _step(compiled, ids, tgt)
+        sync()
         times.append(time.perf_counter() - t0)
     diff = max([(got[0] - want[0]).abs().max().item()]
                + [(_full(a) - _full(b)).abs().max().item() for a, b in zip(got[1], want[1])])
-    t = torch.tensor([first, statistics.median(times), diff], dtype=torch.float64)
+    t = torch.tensor([first, statistics.median(times), diff], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     first, steady, diff = t.tolist()
-    return dict(mesh=mesh_kind, backend=backend, way=way, layers=layers, compile_s=first - steady, first_step_s=first,
+    return dict(mesh=f"{mesh_kind}{dist.get_world_size()}", device=device, backend=backend, way=way, layers=layers, compile_s=first - steady, first_step_s=first,
                 step_ms=1e3 * steady, graphs=len(graphs), graph_nodes=graphs[:4], graph_breaks=sum(counters["graph_break"].values()),
                 max_diff=diff)
 
@@ -131,34 +146,53 @@ def _worker(rank: int, world: int, config: tuple, out_path: str) -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    mesh_kind, backend, way, layers, steps, cpp_wrapper = config
-    torch.set_num_threads(1)
+    mesh_kind, backend, way, layers, steps, cpp_wrapper, device = config
+    if device == "cpu":
+        torch.set_num_threads(1)
     torch._inductor.config.cpp_wrapper = cpp_wrapper
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     # imports and first-use costs (dynamo, AOTAutograd's partitioner, the backend), not counted
-    torch.compile(lambda x: (x * 2).sin().sum(), backend=backend)(torch.randn(4, requires_grad=True)).backward()
-    row = _run(mesh_kind, way, backend, layers, steps)
+    torch.compile(lambda x: (x * 2).sin().sum(), backend=backend)(torch.randn(4, requires_grad=True, device=device)).backward()
+    row = _run(mesh_kind, way, backend, layers, steps, device)
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(row, fh)
 
 
+def _one_run(config: tuple, world: int, out_path: str) -> None:
+    """One run in fresh processes: spawned gloo ranks on CPU, or a ``torchrun`` of NCCL ranks."""
+    if config[-1] == "cpu":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from harness import spawn
+
+        spawn(_worker, world, config, out_path, timeout=3600)
+        return
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
+           "--one", json.dumps(config), "--out", out_path]
+    subprocess.run(cmd, check=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from harness import spawn
+    if args.one is not None:  # a rank of one cuda run, under torchrun
+        from fxshard.cli import launch
+
+        launch.run(_worker, args.world, tuple(json.loads(args.one)), args.out)
+        return 0
 
     t0 = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "row.json")
-        for mesh_kind in ["tp2"] + (["fsdp"] if args.fsdp else []):
+        for mesh_kind in ["tp"] + (["fsdp"] if args.fsdp else []):
             for backend in args.backends.split(","):
                 for way in WAYS:
-                    spawn(_worker, 2, (mesh_kind, backend, way, args.layers, args.steps, args.cpp_wrapper), out_path,
-                          timeout=3600)
+                    _one_run((mesh_kind, backend, way, args.layers, args.steps, args.cpp_wrapper, args.device),
+                             args.world, out_path)
                     with open(out_path) as fh:
                         rows.append(json.load(fh))
                     if args.cpp_wrapper and backend == "inductor":
@@ -166,7 +200,8 @@ def main(argv=None) -> int:
                     r = rows[-1]
                     print(f"  {mesh_kind} {backend} {way}: compile {r['compile_s']:.1f} s, {r['graphs']} graphs", flush=True)
     print(f"compile time: the sharded fxshard.testing.models.llama ({args.layers} layers, dim 64), whole program vs "
-          f"fxshard.compile (one graph per block); 2 gloo ranks; {time.monotonic() - t0:.0f} s")
+          f"fxshard.compile (one graph per block); {args.world} {'gloo' if args.device == 'cpu' else 'NCCL'} ranks; "
+          f"{time.monotonic() - t0:.0f} s")
     print(f"machine: {describe_machine()}")
     print(table(rows, [("mesh", "mesh", ""), ("backend", "backend", ""), ("way", "compiled", ""),
                        ("compile_s", "compile s", ".1f"), ("step_ms", "step ms", ".1f"), ("graphs", "graphs", "d"),

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# The GPU checks of fxshard, for one CUDA machine (a single GPU is enough).
+# The GPU checks of fxshard, for one CUDA machine (a single GPU is enough), in about 9 minutes.
 #
-#   bash benchmarks/gpu.sh              # everything (never run yet; estimate ~10 min on one H100/H200) -> benchmarks/results/gpu.json
-#   bash benchmarks/gpu.sh --dry-run    # print the steps, run nothing
+#   bash benchmarks/gpu.sh              # everything -> $OUT/*.log, *.json, status.tsv and $OUT/../gpu.json
+#   bash benchmarks/gpu.sh --dry-run    # print the steps and their time limits, run nothing
 #   NPROC=2 bash benchmarks/gpu.sh      # NCCL runs on 2 GPUs instead of 1
+#   STEPS="simulated_cuda cuda_tests" bash benchmarks/gpu.sh   # some of the steps
 #
-# Steps (each is logged; a failing step is recorded and the others still run):
-#   1. nccl_demo      the main job on NCCL at world size NPROC (torchrun): dump, train, compare
+# Steps, most wanted first (each is logged and stopped at its time limit; a failing step is
+# recorded and the others still run):
+#   1. compile_time   the sharded 16-layer Llama compiled whole vs one graph per block
+#                     (fxshard.compile), inductor (Triton kernels) and aot_eager, each run a fresh
+#                     torchrun with the caches off (benchmarks/compile_time.py --device cuda)
+#   2. nccl_demo      the main job on NCCL at world size NPROC (torchrun): dump, train, compare
 #                     with one device, then the step-time comparison of the demo model
 #                     (eager, aot_eager, inductor)
-#   2. simulated_cuda 4 simulated ranks (LocalTensorMode) on the GPU: sharded loss == one-device
+#   3. simulated_cuda 4 simulated ranks (LocalTensorMode) on the GPU: sharded loss == one-device
 #                     loss before and after an SGD step (Llama dense, Llama and GPT-2 SP + loss parallel)
-#   3. step_time      fxshard vs DTensor vs hand-written Megatron on NCCL: the small (overhead-bound)
-#                     model and a realistic hidden size (dim 4096, ffn 14336, vocab 32768,
-#                     batch 4 x 1024 tokens, fp32), eager and inductor
-# Everything lands in one JSON file: benchmarks/results/gpu.json (per step: command, exit
-# status, seconds, log tail, and the step's own results JSON).
+#   4. cuda_tests     the tests that need CUDA (skipped on CPU machines), with pytest
+#   5. step_time      fxshard vs DTensor vs hand-written Megatron on NCCL at a realistic hidden
+#                     size (dim 4096, ffn 14336, vocab 32768, batch 4 x 1024 tokens, fp32), eager
+#                     and inductor
+# Everything lands in one JSON file, $OUT/../gpu.json (per step: command, exit status, seconds,
+# log tail, and the step's own results JSON).  The machine's own python3 and torch are used.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,14 +31,21 @@ DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 
-STEPS=(nccl_demo simulated_cuda step_time)
-declare -A CMD
+read -r -a STEPS <<< "${STEPS:-compile_time nccl_demo simulated_cuda cuda_tests step_time}"
+declare -A CMD LIMIT
+CMD[compile_time]="python benchmarks/compile_time.py --device cuda --world $NPROC --backends ${COMPILE_BACKENDS:-inductor,aot_eager} --out $OUT/compile_time.json"
+CMD[cuda_tests]="python -m pytest -q -p no:cacheprovider -m cuda $(grep -rl 'pytest.mark.cuda' tests | sort | tr '\n' ' ')"
+LIMIT[compile_time]=260
+LIMIT[nccl_demo]=100
+LIMIT[simulated_cuda]=60
+LIMIT[cuda_tests]=90
+LIMIT[step_time]=140
 CMD[nccl_demo]="${TORCHRUN[*]} -m fxshard demo --steps 5 --bench --bench-modes eager,aot_eager,inductor --bench-iters 20"
 CMD[simulated_cuda]="python benchmarks/device_equivalence.py --device cuda --tp 4 --out $OUT/simulated_cuda.json"
-CMD[step_time]="${TORCHRUN[*]} benchmarks/step_time.py --device cuda --sizes small,gpu --modes eager,inductor --iters 10 --warmup 3 --no-plot --quiet --out $OUT/step_time.json"
+CMD[step_time]="${TORCHRUN[*]} benchmarks/step_time.py --device cuda --sizes gpu --modes eager,inductor --iters 10 --warmup 3 --no-plot --quiet --out $OUT/step_time.json"
 
 if [ "$DRY" = 1 ]; then
-  for s in "${STEPS[@]}"; do echo "$s: ${CMD[$s]}"; done
+  for s in "${STEPS[@]}"; do echo "$s (${LIMIT[$s]} s): ${CMD[$s]}"; done
   exit 0
 fi
 
@@ -42,17 +55,22 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
 fi
 nvidia-smi -L || true
 mkdir -p "$OUT"
-# fxshard.passes lives in passes/ (pyproject maps it): a bare checkout needs the editable install
-# (offline-safe: no dependencies, no build isolation; torch and networkx must be there already)
-if ! python -c "import fxshard.passes, networkx" 2>/dev/null; then
-  pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# fxshard.passes lives in passes/ (pyproject maps it). On a bare checkout, rather than rely on
+# the machine's setuptools for an editable install (an old one adds the checkout to sys.path,
+# which cannot express the mapping), link passes/ under fxshard/ for this run.
+LINKED=0
+if ! python -c "import fxshard.passes" 2>/dev/null; then
+  ln -s ../passes fxshard/passes && LINKED=1
+  trap '[ "$LINKED" = 1 ] && rm -f fxshard/passes' EXIT
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import fxshard.passes, networkx" || exit 1
 : > "$OUT/status.tsv"
 for s in "${STEPS[@]}"; do
   echo "=== $s: ${CMD[$s]}"
   t0=$SECONDS
   # shellcheck disable=SC2086  # the command is a word list on purpose
-  ${CMD[$s]} > "$OUT/$s.log" 2>&1
+  timeout --kill-after=10 "${LIMIT[$s]}" ${CMD[$s]} > "$OUT/$s.log" 2>&1
   rc=$?
   tail -n 40 "$OUT/$s.log"
   printf '%s\t%s\t%s\t%s\n' "$s" "$rc" "$((SECONDS - t0))" "${CMD[$s]}" >> "$OUT/status.tsv"

@@ -48,11 +48,17 @@ def vocab_parallel_embedding(gm: fx.GraphModule, ctx: PassContext) -> None:
         mod = gm.get_submodule(owner) if owner else gm
         # torch.chunk rows: where the axis does not divide the vocab, the last ranks hold fewer
         pieces = [chunk_range(w.shape[0], n, i) for i in range(n)]
-        mod.register_buffer("vocab_start", torch.tensor([a for a, _ in pieces], dtype=torch.long), persistent=False)
+        # on the weight's device, as the ids are (a CUDA model's ids minus a CPU table fail);
+        # a meta weight's table stays on the CPU so that materialize() copies its values
+        table_device = getattr(mod, weight.target.rsplit(".", 1)[-1]).device
+        table_device = torch.device("cpu") if table_device.type == "meta" else table_device
+        mod.register_buffer("vocab_start", torch.tensor([a for a, _ in pieces], dtype=torch.long, device=table_device),
+                            persistent=False)
         start_target = f"{owner}.vocab_start" if owner else "vocab_start"
         even = w.shape[0] % n == 0
         if not even:
-            mod.register_buffer("vocab_rows", torch.tensor([k for _, k in pieces], dtype=torch.long), persistent=False)
+            mod.register_buffer("vocab_rows", torch.tensor([k for _, k in pieces], dtype=torch.long, device=table_device),
+                                persistent=False)
         v_local = w.local_shape[0]
 
         def meta(new, layout, shape, lshape, dtype, grad=False, val=None):

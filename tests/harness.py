@@ -99,14 +99,14 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float | None = None) ->
                 os.unlink(path)
 
 
-def make_mesh(mesh_shape: dict[str, int]) -> DeviceMesh:
-    """``init_device_mesh("cpu", sizes, mesh_dim_names=names)``, for use inside a spawned rank."""
-    return init_device_mesh("cpu", tuple(mesh_shape.values()), mesh_dim_names=tuple(mesh_shape))
+def make_mesh(mesh_shape: dict[str, int], device: str = "cpu") -> DeviceMesh:
+    """``init_device_mesh(device, sizes, mesh_dim_names=names)``, for use inside a spawned rank."""
+    return init_device_mesh(device, tuple(mesh_shape.values()), mesh_dim_names=tuple(mesh_shape))
 
 
 @contextlib.contextmanager
-def simulated(mesh_shape: dict[str, int]) -> Iterator[DeviceMesh]:
-    """Simulate ``prod(mesh_shape)`` ranks in this process; yields the DeviceMesh.
+def simulated(mesh_shape: dict[str, int], device: str = "cpu") -> Iterator[DeviceMesh]:
+    """Simulate ``prod(mesh_shape)`` ranks in this process (on ``device``); yields the DeviceMesh.
 
     Uses the fake process group and ``LocalTensorMode``: tensors made with
     :func:`rank_map` hold one value per rank and collectives are computed locally.
@@ -124,7 +124,7 @@ def simulated(mesh_shape: dict[str, int]) -> Iterator[DeviceMesh]:
     world_size = math.prod(mesh_shape.values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = make_mesh(mesh_shape)
+        mesh = make_mesh(mesh_shape, device)
         with LocalTensorMode(world_size):
             yield mesh
     finally:

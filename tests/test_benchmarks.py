@@ -168,6 +168,20 @@ def test_gpu_script_is_well_formed():
     steps = subprocess.run(["bash", str(script), "--dry-run"], check=True, capture_output=True, text=True).stdout
     assert "-m fxshard demo" in steps and "--device cuda" in steps and "inductor" in steps
     assert "--nproc-per-node 1" in steps and "benchmarks/device_equivalence.py" in steps
+    assert "benchmarks/compile_time.py --device cuda" in steps and "-m cuda tests/" in steps
+    some = subprocess.run(["bash", str(script), "--dry-run"], env={**os.environ, "STEPS": "cuda_tests simulated_cuda"},
+                          check=True, capture_output=True, text=True).stdout
+    assert [line.split()[0] for line in some.splitlines()] == ["cuda_tests", "simulated_cuda"]
+
+
+def test_compile_time_run_under_torchrun(tmp_path):
+    """The path gpu.sh takes (a torchrun per run), here on one gloo rank: a row with equal numbers."""
+    out = tmp_path / "row.json"
+    config = json.dumps(["tp", "aot_eager", "per-block", 1, 1, False, "cpu"])
+    _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "benchmarks/compile_time.py", "--world", "1",
+          "--one", config, "--out", str(out)])
+    row = json.loads(out.read_text())
+    assert (row["mesh"], row["way"], row["graphs"], row["graph_breaks"], row["max_diff"]) == ("tp1", "per-block", 1, 0, 0.0)
 
 
 def test_megatron_minimum_formula():

@@ -13,6 +13,7 @@ import fxshard
 from fxshard import MeshSpec, Plan, vocab_parallel
 
 from equivalence import check_simulated
+from harness import plain, rank_value, simulated
 
 V, D = 16, 8
 # first/last id of every shard at tp=2 and tp=4, and the padding id
@@ -69,3 +70,26 @@ def test_each_rank_keeps_its_offset_and_the_code_is_the_same():
 def test_matches_the_single_device_embedding_simulated(tp, padding_idx):
     """Output and weight gradient (the padding row gets none) against nn.Embedding."""
     check_simulated(lambda: _embed(padding_idx), _plan, (IDS,), {"tp": tp}, lr=0.5)
+
+
+def test_a_meta_models_offset_table_keeps_its_values_on_the_cpu():
+    """materialize() copies the table to the device: on the meta device it would have no values."""
+    sharded = fxshard.transform(_embed().to_empty(device="meta"), _plan(MeshSpec(("tp",), (4,), coordinate=(2,))),
+                                (IDS.to("meta"),))
+    assert sharded.emb.vocab_start.device.type == "cpu" and torch.equal(sharded.emb.vocab_start, torch.tensor([8]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("padding_idx", [None, 5])
+def test_on_cuda_the_offset_table_lives_with_the_ids(padding_idx):
+    """A CUDA model's ids minus a CPU offset table failed (seen on an H200 at tp=4)."""
+    with simulated({"tp": 4}, "cuda") as mesh:
+        with plain():
+            ids, model = IDS.cuda(), _embed(padding_idx).cuda()
+            want = _embed(padding_idx).cuda()(ids)
+        sharded = fxshard.transform(model, _plan(mesh), (ids,))
+        assert sharded.emb.vocab_start.device.type == "cuda"
+        out = sharded(ids)
+        for r in range(4):
+            torch.testing.assert_close(rank_value(out, r), want)

@@ -213,6 +213,8 @@ class ProgramMeta(TypedDict, total=False):
     fxshard_region: str  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
     fxshard_lifted: Any  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
     captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
+    static_input_dims: list  # [(placeholder, dim, size)]: input dims export kept static, the model's code fixing them
+    #   (frontend.capture -> frontend.static_sizes: the transformed program's input check)
     capture_blocks: str  # "stamped 29 of 32 blocks of model.layers from 3 captured" or "captured in full: <why>" (frontend.repeated_blocks)
     model_class: str  # class name of the captured model (frontend.trace -> GraphModule name)
     model_type: str  # HF config.model_type, if any (frontend.trace -> dump)

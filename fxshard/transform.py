@@ -28,6 +28,7 @@ from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 from fxshard.errors import PlanError
 from fxshard.frontend.capture import flat_inputs
+from fxshard.frontend.static_sizes import guard_static_input_sizes
 from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
 from fxshard.meta import KEY, PassContext
 from fxshard.plan.plan import Plan
@@ -180,6 +181,8 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
                                     example_inputs=shapes,
                                     shapes_recorded=isinstance(gm_or_module, nn.Module) and not isinstance(gm_or_module, fx.GraphModule))
         run_pipeline(gm, ctx, stop_after=stop_after, timings=timings)
+    if stop_after is None:
+        guard_static_input_sizes(gm)
     if checkpoint and stop_after is None:
         checkpoint_blocks(gm)
     return gm

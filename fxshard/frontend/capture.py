@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -77,6 +78,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     kwargs = own_storage(dict(example_kwargs or {}))
     args = own_storage(tuple(example_inputs))
     attempts = [(args, kwargs, dynamic_shapes)]
+    default_dynamic = dynamic_shapes is None
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
         # export specializes dims of size 0 and 1 (a batch of one would be baked into
@@ -108,6 +110,13 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
                             f"{_first_line(error)}{hint}\n  fix: make the model exportable (torch.export.export(model, args, "
                             f"kwargs, strict=False) must succeed), or pass a torch.fx-traceable model") from error
     gm = ep.module()
+    if default_dynamic:
+        gm.meta["static_input_dims"] = static = _static_input_dims(gm, args, kwargs)
+        if static:
+            warnings.warn(f"{type(model).__name__}: the model's code fixes "
+                          + ", ".join(f"{name!r} dim {d} at {size}" for name, d, size in static)
+                          + " (torch.export kept it static): the program runs at that size only, and says so when called "
+                            "at another", stacklevel=2)
     restore_local_region_calls(gm, model, region_calls)
     _every_fqn(gm, model)
     _drop_guards(gm)
@@ -258,6 +267,26 @@ def _dynamic_dims(x) -> range:
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return range(0)
     return range(x.dim() if not x.is_floating_point() else x.dim() - 1)
+
+
+def _static_input_dims(gm: fx.GraphModule, args, kwargs) -> list[tuple[str, int, int]]:
+    """``(placeholder, dim, size)`` of every input dim asked to be dynamic (``Dim.AUTO``)
+    that export kept static because the model's code needs it so (a Python loop over the
+    sequence, as Mamba's reference scan; a size compared with a constant): the program
+    computes the example's size there and nothing else."""
+    static = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, x in zip(placeholders, flat_inputs(gm, args, kwargs)):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d in _dynamic_dims(x):
+            size = val.shape[d]
+            # a specialized symbol still reads as a SymInt whose expression is now a number
+            size = size if isinstance(size, int) else size.node.maybe_as_int()
+            if size is not None:
+                static.append((node.name, d, int(size)))
+    return static
 
 
 def _grow_unit_dims(value):

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 from fxshard.errors import PlanError
 from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan
+from fxshard.frontend.static_sizes import StaticSize, check_static_sizes, static_input_sizes
 from fxshard.frontend.trace import trace
 from fxshard.runtime.collectives import hold_param_syncs, reduce_over
 from fxshard.transform import transform
@@ -52,6 +53,9 @@ class PipelinedModule(nn.Module):
         self.num_stages = spec.num_stages(self.pp_size)
         self.stage_ids = spec.stages_of_rank(self.pp_rank, self.pp_size)
         self.input_names = list(cut.inputs)
+        # the input dims the model's code fixed at capture (frontend.static_sizes): train_step checks them
+        self.static_sizes: list[StaticSize] = []
+        self.model_class = "the model"
         self.loss_program = cut.loss
         self.loss_axes = tuple(cut.loss_axes)
         self.batch_axes, self.batch_ranks = tuple(cut.batch_axes), cut.batch_ranks
@@ -320,6 +324,7 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     staged = PipelinedModule(cut, spec, mesh, all_state)
+    staged.static_sizes, staged.model_class = static_input_sizes(gm), gm.meta.get("model_class", "the model")
     if checkpoint:
         checkpoint_blocks(staged)
     # torch's schedule checks its own requirements (DualPipeV: micro-batches >= stages; interleaved: a
@@ -414,6 +419,7 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         raise PlanError(f"train_step: {spec.microbatches} micro-batches do not divide the batch of {batch}\n  fix: "
                         f"fxshard.pipeline({spec.axis!r}, microbatches=M) with M dividing {batch}, or a batch that "
                         f"M={spec.microbatches} divides")
+    check_static_sizes(pm.static_sizes, dict(zip(pm.input_names, args)), pm.model_class, spec.microbatches)
     if loss_fn is None:
         program = pm.loss_program
         if program is None:

@@ -108,4 +108,7 @@ def test_meta_program_called_before_materialize_names_materialize():
 
     fxshard.materialize(sharded, model, init=init)
     assert sharded(torch.randn(2, 4, 8)).shape == (2, 4, 8)
-    assert not sharded._forward_pre_hooks  # the check is gone once every tensor is real
+    # the meta check is gone once every tensor is real; the table fixes the sequence at 4, which stays checked
+    assert [type(h).__name__ for h in sharded._forward_pre_hooks.values()] == ["StaticSizeGuard"]
+    with pytest.raises(PlanError, match="input 'x' of LazyTable has 5 on dim 1"):
+        sharded(torch.randn(2, 5, 8))

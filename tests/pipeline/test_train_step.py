@@ -179,8 +179,9 @@ def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, 
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for fqn, p in staged.named_parameters(remove_duplicate=False):
             want = ref_params[fqn].grad  # None: unused at these shapes (a MoE's expert no token chose)
+            # the sum of two gradients, each within ATOL of the reference's: within 2 ATOL of twice it
             torch.testing.assert_close(_full(p.grad) if p.grad is not None else torch.zeros_like(p),
-                                       2 * want if want is not None else torch.zeros_like(p), atol=ATOL, rtol=ATOL,
+                                       2 * want if want is not None else torch.zeros_like(p), atol=2 * ATOL, rtol=ATOL,
                                        msg=lambda m: f"{name} accumulated grad of {fqn}: {m}")
     return name
 

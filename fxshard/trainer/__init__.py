@@ -1,0 +1,1 @@
+"""``python -m fxshard train``: the trainer (see docs/trainer.md)."""

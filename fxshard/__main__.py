@@ -4,6 +4,8 @@
     python -m fxshard demo --moe      # a tiny Mixtral, expert parallel: all-to-alls inside the MoE blocks
     python -m fxshard demo --bench    # ... then time a step: fxshard vs DTensor vs hand-written Megatron
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
+    torchrun --nproc-per-node 4 -m fxshard train --model DIR --data book.txt --mesh dp=2,tp=2   # the trainer
+    python -m fxshard export ckpt/step000100 out/model                                         # to transformers
     python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4
 """
 from __future__ import annotations
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     from fxshard.cli.commands import add_dump_arguments
 
     add_dump_arguments(sub.add_parser("dump", help="transform a model offline (MeshSpec) and dump the result: text, json, dot, svg, --diff"))
+    from fxshard.cli.train import add_parsers
+
+    add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from fxshard.cli.demo import run_demo
@@ -37,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from fxshard.cli.commands import run_dump
 
         return run_dump(args)
+    if args.command in ("train", "export"):
+        from fxshard.cli.train import run_export, run_train
+
+        return run_train(args) if args.command == "train" else run_export(args)
     return 2
 
 

@@ -14,7 +14,7 @@ See docs/pipeline.md.
 """
 from .spec import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
-from .train_step import PipelinedModule, clip_grad_norm_, fully_shard, grad_norm, pipeline_transform, train_step
+from .train_step import PipelinedModule, clip_grad_norm_, eval_step, fully_shard, grad_norm, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
-           "train_step", "grad_norm", "clip_grad_norm_", "fully_shard"]
+           "train_step", "eval_step", "grad_norm", "clip_grad_norm_", "fully_shard"]

@@ -407,7 +407,29 @@ def train_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None
     return _pipelined_step(sharded, inputs, loss_fn, target)
 
 
-def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch.Tensor:
+def eval_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None, target: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The loss of one batch without a backward (a held-out loss): :func:`train_step`'s loss,
+    the same on every rank, and no gradient touched.  Call it under ``torch.no_grad()``.
+
+    Example::
+
+        with torch.no_grad():
+            eval_loss = fxshard.pipelining.eval_step(staged, {"input_ids": ids, "labels": labels})
+    """
+    if not isinstance(sharded, PipelinedModule):
+        out = sharded(**inputs)
+        if loss_fn is not None:
+            return loss_fn(out, target).detach()
+        loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            raise PlanError("eval_step: the model returned no loss\n  fix: pass its labels in inputs, or "
+                            "loss_fn=lambda output, target: ... and target=")
+        return loss.detach()
+    return _pipelined_step(sharded, inputs, loss_fn, target, backward=False)
+
+
+def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target, backward: bool = True) -> torch.Tensor:
     spec = pm.spec
     missing = [n for n in pm.input_names if n not in inputs]
     if missing:
@@ -453,11 +475,14 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
     step_args = args if pm.holds_first else ()
     # under fxshard.no_sync the tied copies' sum waits for the first step outside it, which sums
     # every gradient since the last sum (the one before the first held step)
-    if pm._tied_unsynced is None:
+    if not backward:
+        schedule.eval(*step_args, target=target if pm.holds_last else None, losses=losses)
+    elif pm._tied_unsynced is None:
         pm._tied_unsynced = _tied_grads_before(pm)
     else:  # zero_grad(set_to_none=True) within the held steps: nothing before it to keep
         pm._tied_unsynced = [None if p.grad is None else g for (_, p), g in zip(_tied_params(pm), pm._tied_unsynced)]
-    schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
+    if backward:
+        schedule.step(*step_args, target=target if pm.holds_last else None, losses=losses)
     if pm.holds_last:
         total = torch.stack([l.detach().float() for l in losses]).sum() / pm.fsdp_ranks
     else:
@@ -468,7 +493,7 @@ def _pipelined_step(pm: PipelinedModule, inputs: dict, loss_fn, target) -> torch
         total = reduce_over(total, pm.loss_axes, "sum")
     elif loss_fn is not None and pm.batch_axes:
         total = reduce_over(total, pm.batch_axes, "sum")
-    if not _param_syncs_held():
+    if backward and not _param_syncs_held():
         _sum_tied_grads(pm, pm._tied_unsynced)
         pm._tied_unsynced = None
     return total

@@ -1,0 +1,412 @@
+"""``python -m fxshard train``: the loop, in the order a run goes.
+
+1. processes and mesh (``ParallelDims``), the device;
+2. the tokenizer and the data (``fxshard.trainer.data``), each dp rank reading its rows;
+3. the model and each rank's program (``fxshard.trainer.parallelize``);
+4. AdamW, warmup + cosine; a resume from the latest checkpoint (data position included);
+5. per step: ``--accum`` micro-batches (all but the last under ``fxshard.no_sync``), the
+   loss summed over tokens and divided by the global count of scored tokens (exact with
+   any padding, on every mesh), clipping over the whole model, the step, a record;
+6. eval, checkpoints, the HF export, ``final checksum``.
+
+The loss: labels come pre-shifted from the data (``labels[t]`` is the token after
+``input_ids[t]``), so a rank holding a piece of the sequence (cp) scores its own
+positions, and one holding rows (dp) its own rows; their sums add up to one device's.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.trainer import data as text_data
+from fxshard.trainer.errors import TrainerError
+from fxshard.trainer.export import export_checkpoint, max_logit_difference, save_model_dir
+from fxshard.trainer.metrics import MetricsLogger, Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
+from fxshard.trainer.models import ModelSource, parse_overrides
+from fxshard.trainer.parallel_dims import ParallelDims
+from fxshard.trainer.parallelize import ParallelOptions, Program, parallelize
+
+VOCAB_MULTIPLE = 64  # a model built from its type gets the tokenizer's vocabulary padded to this
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the scored tokens (labels pre-shifted; -100 is padding)."""
+    logits = getattr(logits, "logits", logits)  # an HF ModelOutput, or a logits tensor
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def lr_lambda(warmup: int, steps: int):
+    def at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return at
+
+
+def init_process_group(backend: str) -> None:
+    """torchrun's process group, keyed by the restart count: after ``--max-restarts``
+    restarts the workers, they meet in the store the killed ones used, whose gloo addresses
+    are still there; a prefix per attempt keeps each attempt's keys apart."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world)
+
+
+class Run:
+    """One training run: the state the loop and its helpers share."""
+
+    def __init__(self, args):
+        self.args = args
+        self.check_flags()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.dims = ParallelDims.parse(args.mesh, world)
+        self.check_pipeline_flags()
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise TrainerError("--device cuda: no CUDA device is visible\n  fix: --device cpu (gloo)")
+        if use_cuda and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        if world > 1:
+            init_process_group("nccl" if use_cuda else "gloo")
+        self.rank = dist.get_rank() if world > 1 else 0
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.log = MetricsLogger(None, self.rank)  # until the resume step is known
+
+    # ------------------------------------------------------------------ checks before any work
+
+    def check_flags(self) -> None:
+        a = self.args
+        for flag, value, least in (("--steps", a.steps, 1), ("--batch", a.batch, 1), ("--seq", a.seq, 2),
+                                   ("--accum", a.accum, 1), ("--log-every", a.log_every, 1), ("--keep-last", a.keep_last, 1),
+                                   ("--eval-batches", a.eval_batches, 1)):
+            if value < least:
+                raise TrainerError(f"{flag} {value}: at least {least}")
+        if a.ckpt_every and not a.ckpt_dir:
+            raise TrainerError("--ckpt-every without --ckpt-dir: where would the checkpoints go?\n  fix: add --ckpt-dir DIR")
+        if a.eval_every and not a.eval_split:
+            raise TrainerError("--eval-every without --eval-split: which text is held out?\n  fix: add --eval-split FILE")
+        if a.autocast and not a.bf16:
+            raise TrainerError("--autocast without --bf16: autocast to what?\n  fix: --bf16 --autocast")
+
+    def check_pipeline_flags(self) -> None:
+        a, dims = self.args, self.dims
+        if dims.pp == 1:
+            for flag, value in (("--microbatches", a.microbatches), ("--schedule", a.schedule),
+                                ("--virtual-stages", a.virtual_stages)):
+                if value is not None:
+                    raise TrainerError(f"{flag} {value} without a pp axis: it sets the pipeline's schedule\n  fix: "
+                                       f"--mesh pp=N,... or drop {flag}")
+        rows = a.batch // dims.batch_ranks
+        if a.batch % dims.batch_ranks or rows % a.accum:
+            raise TrainerError(f"--batch {a.batch} rows over dp={dims.dp} ranks and --accum {a.accum} micro-batches: "
+                               f"does not divide\n  fix: --batch a multiple of {dims.batch_ranks * a.accum}")
+        micro = rows // a.accum
+        m = a.microbatches or dims.pp
+        if dims.pp > 1 and micro % m:
+            raise TrainerError(f"--microbatches {m}: a step's micro-batch of {micro} rows per dp rank does not divide into "
+                               f"{m}\n  fix: --batch a multiple of {dims.batch_ranks * a.accum * m}")
+        if dims.cp > 1 and a.seq % (2 * dims.cp if dims.pp == 1 else dims.cp):
+            raise TrainerError(f"--seq {a.seq} over cp={dims.cp}: context parallelism splits each sequence into "
+                               f"{2 * dims.cp if dims.pp == 1 else dims.cp} pieces\n  fix: --seq a multiple of that")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        a, dims = self.args, self.dims
+        t0 = time.perf_counter()
+        source = ModelSource.resolve(a.model, parse_overrides(a.model_config), seed=a.seed)
+        self.source = source
+        # a model built from its type takes the byte-level tokenizer's 257 ids, padded
+        self.vocab = source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+        self.tokenizer = text_data.load_tokenizer(source.tokenizer_dir, vocab_size=self.vocab)
+        cache = a.data_cache or os.path.join(os.path.expanduser("~"), ".cache", "fxshard", "tokens")
+        train_tokens = text_data.PackedTokens.from_files(a.data, self.tokenizer, a.seq, cache_dir=cache, text_field=a.text_field)
+        dp_rank = dims.dp_rank(self.mesh)
+        self.batches = text_data.TextBatches(train_tokens, a.batch, seed=a.seed, dp_rank=dp_rank, dp_size=dims.dp)
+        self.eval_tokens = (text_data.PackedTokens.from_files(a.eval_split, self.tokenizer, a.seq, cache_dir=cache,
+                                                         text_field=a.text_field) if a.eval_split else None)
+        self.log.print(f"data: {train_tokens.num_tokens:,} tokens, {len(train_tokens):,} rows of {a.seq}"
+                       + (f"; eval {self.eval_tokens.num_tokens:,} tokens" if self.eval_tokens else "")
+                       + f" ({time.perf_counter() - t0:.1f} s)")
+        t0 = time.perf_counter()
+        model = source.build(meta=self.mesh is not None, vocab_size=self.vocab, device=self.device)
+        self.flops_per_token = flops_per_token(model, a.seq)
+        self.config = getattr(model, "config", None)
+        self.log.print(f"model: {type(model).__name__} from {source.name}, "
+                       f"{sum(p.numel() for p in model.parameters()):,} parameters; mesh {dims.describe()} "
+                       f"({time.perf_counter() - t0:.1f} s)")
+        rows = a.batch // (a.accum * (a.microbatches or dims.pp))
+        example = torch.randint(0, self.vocab, (rows, a.seq), generator=torch.Generator().manual_seed(a.seed + 1))
+        if self.mesh is None:
+            self.program = self.single_process(model)
+        else:
+            opts = ParallelOptions(microbatches=a.microbatches or dims.pp, schedule=a.schedule or "1F1B",
+                                   virtual_stages=a.virtual_stages, bf16=a.bf16 and not a.autocast and dims.dp > 1,
+                                   compile=a.compile, activation_checkpointing=a.activation_checkpointing,
+                                   device=str(self.device))
+            self.program = parallelize(model, source, dims, self.mesh, opts, example.to(self.device), self.log.print)
+        self.module = self.program.module
+        # bf16 without FSDP2 to cast the parameters (no dp, or --autocast): autocast
+        autocast = a.bf16 and (a.autocast or dims.dp == 1)
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(a.warmup, a.steps))
+        self.start = self.resume()
+        self.log = MetricsLogger(a.log_dir, self.rank, resume_step=self.start)
+        if a.ckpt_dir and self.rank == 0 and self.config is not None:
+            save_model_dir(a.ckpt_dir, self.config, self.tokenizer, vars(a))
+        peak = a.peak_tflops or device_peak_tflops(self.device, a.bf16)
+        self.peak_tflops = peak
+
+    def single_process(self, model) -> Program:
+        a = self.args
+        if a.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        if a.compile:
+            t0 = time.perf_counter()
+            model = torch.compile(model, backend=a.compile)
+            self.log.print(f"startup: torch.compile set up ({a.compile}; compiled at the first step) "
+                           f"{time.perf_counter() - t0:.1f} s")
+        return Program(model, pipelined=False)
+
+    def resume(self) -> int:
+        a = self.args
+        latest = fxshard.latest_checkpoint(a.ckpt_dir) if a.ckpt_dir else None
+        if latest is None:
+            return 0
+        state = fxshard.load(self.module, latest, optimizer=self.opt, show_progress=False)
+        self.sched.load_state_dict(state["sched"])
+        torch.set_rng_state(state["rng"])
+        self.batches.load_state_dict(state["data"])
+        self.log.print(f"resumed from {latest} at step {state['step']}")
+        return int(state["step"])
+
+    # ------------------------------------------------------------------ a step
+
+    def reduce(self, x: torch.Tensor, axes, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        for axis in axes:
+            if self.mesh is not None and getattr(self.dims, axis) > 1:
+                dist.all_reduce(x, op=op, group=self.mesh[axis].get_group())
+        return x
+
+    def local_piece(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a dp rank's rows along the sequence (cp), as the program takes it."""
+        if self.dims.cp == 1:
+            return x
+        if self.program.pipelined:  # contiguous pieces; the mesh's cp coordinate
+            return x.chunk(self.dims.cp, 1)[self.mesh["cp"].get_local_rank()]
+        return fxshard.split_sequence(x, "cp", sharded=self.module)
+
+    def micro_loss(self, ids: torch.Tensor, labels: torch.Tensor, count: torch.Tensor, backward: bool = True):
+        """One micro-batch: this rank's share of the loss (its summed token losses over the
+        global ``count``), and the backward."""
+        name = self.source.input_name
+        if self.program.pipelined:
+            pm = self.module
+            # train_step averages a loss_fn's means over micro-batches and the batch's ranks: undone,
+            # so every token weighs 1 / count as on one device
+            share = pm.spec.microbatches * pm.batch_ranks
+            target = labels if self.program.gathers_sequence else self.local_piece(labels)
+
+            def loss_fn(output, tgt):
+                return token_loss_sum(output, tgt) * (share / count)
+            step = fxshard.train_step if backward else fxshard.pipelining.eval_step
+            return step(pm, {name: self.local_piece(ids)}, loss_fn=loss_fn, target=target)
+        with self.autocast():
+            out = self.module(**{name: self.local_piece(ids)})
+        loss = token_loss_sum(out, self.local_piece(labels)) / count
+        if backward:
+            # FSDP2 averages gradients over dp where the sum over ranks is wanted
+            (loss * self.dims.dp).backward()
+        return loss.detach()
+
+    def global_count(self, labels: torch.Tensor) -> torch.Tensor:
+        count = (labels != -100).sum().to(torch.float32).to(self.device)
+        return self.reduce(count, ["dp"]).clamp(min=1)
+
+    def train_step(self) -> dict:
+        a = self.args
+        ids, labels = (t.to(self.device) for t in self.batches.next_batch())
+        count = self.global_count(labels)
+        total = torch.zeros((), device=self.device)
+        micro = list(zip(ids.chunk(a.accum), labels.chunk(a.accum)))
+        for k, (i, l) in enumerate(micro):
+            held = k < len(micro) - 1 and self.mesh is not None
+            with fxshard.no_sync(self.module) if held else contextlib.nullcontext():
+                total += self.micro_loss(i, l, count).float()
+        if not self.program.pipelined:
+            total = self.reduce(total, ["dp", "cp"])  # each rank held its rows' and positions' share
+        if self.mesh is None:
+            norm = (torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.clip) if a.clip else
+                    torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None]))
+        else:
+            norm = fxshard.clip_grad_norm_(self.module, a.clip) if a.clip else fxshard.grad_norm(self.module)
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"loss": float(total), "grad_norm": float(norm), "lr": lr}
+
+    def eval_loss(self) -> float:
+        a = self.args
+        dp_rank = self.dims.dp_rank(self.mesh)
+        total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            for ids, labels in text_data.eval_batches(self.eval_tokens, a.batch, dp_rank, self.dims.dp, a.eval_batches):
+                ids, labels = ids.to(self.device), labels.to(self.device)
+                n = self.global_count(labels)
+                loss = self.micro_loss(ids, labels, n, backward=False).float()
+                if not self.program.pipelined:
+                    loss = self.reduce(loss, ["dp", "cp"])
+                total += loss * n
+                count += n
+        self.module.train(was_training)
+        return float(total / count)
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> None:
+        a = self.args
+        throughput = Throughput(self.device)
+        tokens_per_step = a.batch * a.seq
+        world = self.dims.world_size
+        for step in range(self.start, a.steps):
+            throughput.start()
+            rec = self.train_step()
+            throughput.stop(tokens_per_step)
+            done = step + 1
+            last = done == a.steps
+            if done % a.log_every == 0 or last:
+                rate = throughput.take()
+                tflops = self.flops_per_token * rate / world / 1e12
+                mem = torch.tensor(peak_memory_gib(self.device), device=self.device)
+                mem = float(self.reduce(mem, list(self.dims.sizes), dist.ReduceOp.MAX))
+                self.log.record({"step": done, **rec, "tokens_per_s": rate, "tflops": tflops,
+                                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None, "peak_mem_gib": mem,
+                                 "epoch": self.batches.epoch})
+            if self.eval_tokens is not None and ((a.eval_every and done % a.eval_every == 0) or last):
+                self.log.record({"step": done, "eval_loss": self.eval_loss()})
+            if a.ckpt_dir and ((a.ckpt_every and done % a.ckpt_every == 0) or (last and a.export_hf)):
+                self.save(done)
+
+    def save(self, step: int) -> str:
+        a = self.args
+        path = os.path.join(a.ckpt_dir, f"step{step:06d}")
+        state = {"step": step, "sched": self.sched.state_dict(), "rng": torch.get_rng_state(),
+                 "data": self.batches.state_dict()}
+        fxshard.save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False)
+        return path
+
+    def checksum(self) -> float:
+        """The sum of the full state dict in float64 (under pp over every stage, a tied tensor once)."""
+        if self.mesh is None:
+            return sum(float(t.double().sum()) for t in self.module.state_dict().values() if t.is_floating_point())
+        full = fxshard.full_state_dict(self.module)
+        sums = {k: float(t.double().sum()) for k, t in full.items() if t.is_floating_point()}
+        if self.program.pipelined:
+            gathered: list = [None] * self.dims.pp
+            dist.all_gather_object(gathered, sums, group=self.mesh["pp"].get_group())
+            sums = {k: v for part in gathered for k, v in part.items()}
+        return sum(sums.values())
+
+    # ------------------------------------------------------------------ the end: the weights out
+
+    def probe(self):
+        """What the export is checked against, on the first held-out (else training) batch in
+        order: the program's logits gathered to every rank, or under pp its loss."""
+        a = self.args
+        tokens = self.eval_tokens or self.batches.tokens
+        mine = next(text_data.eval_batches(tokens, a.batch, self.dims.dp_rank(self.mesh), self.dims.dp, 1))
+        whole = next(text_data.eval_batches(tokens, a.batch, 0, 1, 1))
+        ids, labels = (t.to(self.device) for t in mine)
+        self.module.eval()
+        with torch.no_grad():
+            if self.program.pipelined:
+                count = self.global_count(labels)
+                return whole, ("loss", float(self.micro_loss(ids, labels, count, backward=False)))
+            with self.autocast():
+                logits = getattr(self.module(**{self.source.input_name: self.local_piece(ids)}), "logits", None)
+            if logits is None:  # a torchtitan program returns the tensor
+                logits = self.module(**{self.source.input_name: self.local_piece(ids)})
+        if self.dims.cp > 1:
+            logits = fxshard.gather_sequence(logits, "cp", sharded=self.module)
+        if self.dims.dp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.dims.dp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.mesh["dp"].get_group())
+            logits = torch.cat(parts)
+        return whole, ("logits", logits.float().cpu())
+
+
+def run(args) -> int:
+    """The whole run; returns the exit status."""
+    r = Run(args)
+    export_from, probe, created = None, None, None
+    try:
+        r.setup()
+        r.train()
+        if args.export_hf:
+            if r.config is None:
+                raise TrainerError(f"--export-hf with --model {args.model}: an HF checkpoint needs an HF model")
+            probe = r.probe()
+            root = args.ckpt_dir
+            if root is None:  # a checkpoint to export from, removed afterwards
+                root = created = os.path.abspath(args.export_hf) + ".fxshard-ckpt"
+                if r.rank == 0:
+                    save_model_dir(root, r.config, r.tokenizer, vars(args))
+                export_from = fxshard_save_final(r, root)
+            else:
+                export_from = fxshard.latest_checkpoint(root)
+        checksum = r.checksum()
+    finally:
+        r.log.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if r.rank != 0:
+        return 0
+    if export_from is not None:
+        t0 = time.perf_counter()
+        out = export_checkpoint(export_from, args.export_hf)
+        (ids, _), (kind, value) = probe
+        if kind == "logits":
+            check = f"logits of the trained program, max difference {max_logit_difference(out, ids, value):.3g}"
+        else:
+            check = f"loss of the trained program, difference {abs(exported_loss(out, probe[0]) - value):.3g}"
+        print(f"exported {export_from} to {out} ({time.perf_counter() - t0:.1f} s); from_pretrained({out!r}) vs the "
+              f"{check}", flush=True)
+        if created:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
+    print(f"final checksum {checksum!r}", flush=True)
+    return 0
+
+
+def fxshard_save_final(r: Run, root: str) -> str:
+    path = os.path.join(root, f"step{r.args.steps:06d}")
+    fxshard.save(r.module, path, optimizer=None, show_progress=False)
+    return path
+
+
+def exported_loss(out: str, batch) -> float:
+    """The exported model's mean token loss on ``batch`` (``(input_ids, labels)``, pre-shifted)."""
+    from transformers import AutoModelForCausalLM
+
+    ids, labels = batch
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        total = token_loss_sum(model(input_ids=ids), labels)
+    return float(total / (labels != -100).sum().clamp(min=1))

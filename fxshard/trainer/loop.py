@@ -71,6 +71,8 @@ class Run:
         self.check_flags()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.dims = ParallelDims.parse(args.mesh, world)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"fxshard train: {args.model} on {self.dims.describe()} ({world} process{'es' * (world > 1)})", flush=True)
         self.check_pipeline_flags()
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -158,6 +160,8 @@ class Run:
                                    device=str(self.device))
             self.program = parallelize(model, source, dims, self.mesh, opts, example.to(self.device), self.log.print)
         self.module = self.program.module
+        if self.mesh is not None:
+            self.log.print(self.holdings(model))
         # bf16 without FSDP2 to cast the parameters (no dp, or --autocast): autocast
         autocast = a.bf16 and (a.autocast or dims.dp == 1)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
@@ -169,6 +173,24 @@ class Run:
             save_model_dir(a.ckpt_dir, self.config, self.tokenizer, vars(a))
         peak = a.peak_tflops or device_peak_tflops(self.device, a.bf16)
         self.peak_tflops = peak
+
+    def holdings(self, model) -> str:
+        """What each rank holds: its blocks (``model.layers.3`` -> 3) and parameters (local
+        elements, FSDP2's shard included), gathered to every rank for one log line."""
+        import re
+
+        blocks, params = set(), 0
+        for name, p in self.module.named_parameters():
+            m = re.search(r"\.(\d+)\.", f".{name}")
+            if m:
+                blocks.add(int(m.group(1)))
+            params += (p.to_local() if hasattr(p, "to_local") else p).numel()
+        mine = {"rank": self.rank, "blocks": sorted(blocks), "params": params}
+        every: list = [None] * self.dims.world_size
+        dist.all_gather_object(every, mine)
+        total = sum(p.numel() for p in model.parameters())
+        return "holds: " + "; ".join(f"rank {h['rank']} blocks {_spans(h['blocks'])} params {h['params']:,}"
+                                     for h in every) + f" (of {total:,})"
 
     def single_process(self, model) -> Program:
         a = self.args
@@ -349,6 +371,18 @@ class Run:
             dist.all_gather(parts, logits.contiguous(), group=self.mesh["dp"].get_group())
             logits = torch.cat(parts)
         return whole, ("logits", logits.float().cpu())
+
+
+def _spans(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else str(x))
+            start = None
+    return ",".join(out) or "none"
 
 
 def run(args) -> int:

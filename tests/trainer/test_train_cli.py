@@ -1,0 +1,183 @@
+"""``python -m fxshard train`` run as a user runs it: ``torchrun`` on real gloo processes, a
+checkpoint directory written by ``save_pretrained`` with a tokenizer trained locally, the
+shipped public-domain text (examples/data) with a held-out split.
+
+* every mesh (dp x tp, pp x tp, pp x dp, cp x tp; ep on an MoE) trains to the losses of one
+  process, step by step (fp32, 1e-5), evaluates, and ends at its checksum;
+* ``--mesh pp=2`` holds half the blocks per rank; ``--mesh foo=2`` is refused before any work;
+* the export loads in transformers with the trained program's logits (and loss under pp);
+* a rank killed mid-run resumes, data position included, to the uninterrupted checksum.
+
+The refusals and one-process flag checks are in ``test_train_flags.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEXT = os.path.join(ROOT, "examples", "data", "genesis.txt")
+HELD_OUT = os.path.join(ROOT, "examples", "data", "genesis.eval.txt")
+STEPS = 6
+TIMEOUT = 600
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _cmd(nproc: int, args: list[str], restarts: int = 0) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "fxshard", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}", "-m", "fxshard", "train", *args]
+
+
+def _run(nproc: int, args: list[str]) -> str:
+    done = subprocess.run(_cmd(nproc, args), capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def _records(log_dir) -> tuple[dict[int, dict], dict[int, float]]:
+    train, evals = {}, {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "eval_loss" in rec:
+                evals[rec["step"]] = rec["eval_loss"]
+            else:
+                train[rec["step"]] = rec
+    return train, evals
+
+
+def _checksum(out: str) -> float:
+    found = re.findall(r"^final checksum (\S+)$", out, re.M)
+    assert found, f"no final checksum in:\n{out[-3000:]}"
+    return float(found[-1])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """What a user has: checkpoint directories (save_pretrained) with a tokenizer trained on the text."""
+    from fxshard.testing.hf_checkpoints import make_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": make_hf_checkpoint(root / "llama", "llama", text_files=[TEXT], num_hidden_layers=4),
+            "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", text_files=[TEXT])}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tokens"))
+
+
+def _common(model, cache) -> list[str]:
+    return ["--model", str(model), "--data", TEXT, "--eval-split", HELD_OUT, "--eval-every", "3", "--eval-batches", "2",
+            "--steps", str(STEPS), "--batch", "8", "--seq", "32", "--clip", "0.5", "--accum", "2", "--seed", "3",
+            "--data-cache", cache]
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoints, cache, tmp_path_factory):
+    """One process per model: the losses, eval losses, checksum and export every mesh is held to."""
+    out = {}
+    for name, ckpt in checkpoints.items():
+        logs, export = tmp_path_factory.mktemp(f"one_{name}"), tmp_path_factory.mktemp(f"export_{name}")
+        stdout = _run(1, _common(ckpt, cache) + ["--log-dir", str(logs), "--export-hf", str(export)])
+        out[name] = (*_records(logs), _checksum(stdout), str(export))
+    return out
+
+
+MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2,tp=2", 4, []),
+          ("llama", "pp=2,dp=2", 4, ["--activation-checkpointing"]), ("llama", "cp=2,tp=2", 4, []),
+          ("qwen3_moe", "ep=2", 2, []),
+          ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"])]
+
+
+@pytest.mark.parametrize("model,mesh,nproc,extra", MESHES, ids=[" ".join([m, *e]) for _, m, _, e in MESHES])
+def test_mesh_trains_as_one_process(model, mesh, nproc, extra, checkpoints, cache, one_process, tmp_path):
+    """The losses of one process at every step, the eval losses, the checksum and the export's logits."""
+    want, want_eval, want_checksum, want_export = one_process[model]
+    export = tmp_path / "export"
+    stdout = _run(nproc, _common(checkpoints[model], cache) + ["--mesh", mesh, "--log-dir", str(tmp_path),
+                                                               "--export-hf", str(export), *extra])
+    got, got_eval = _records(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    for step, rec in want.items():
+        assert abs(got[step]["loss"] - rec["loss"]) <= 1e-5, (mesh, step, got[step]["loss"], rec["loss"])
+        assert abs(got[step]["grad_norm"] - rec["grad_norm"]) <= 1e-4 * rec["grad_norm"], (mesh, step)
+        assert got[step]["tokens_per_s"] > 0 and got[step]["peak_mem_gib"] > 0
+    assert want[STEPS]["loss"] < want[1]["loss"] - 0.05, "the run does not learn the text: the comparison proves little"
+    assert sorted(got_eval) == [3, 6] and all(abs(got_eval[s] - want_eval[s]) <= 1e-5 for s in want_eval), (got_eval, want_eval)
+    assert abs(_checksum(stdout) - want_checksum) <= 1e-6 * abs(want_checksum) + 1e-4
+    # the export: transformers loads it, with the trained program's logits (its loss under pp)
+    check = re.search(r"from_pretrained\(.*\) vs the (logits|loss) of the trained program, (?:max )?difference (\S+)", stdout)
+    assert check and float(check.group(2)) <= 1e-5, stdout[-2000:]
+    assert check.group(1) == ("loss" if "pp" in mesh else "logits")
+    _same_logits(str(export), want_export)
+    holds = re.search(r"^holds: (.*)$", stdout, re.M).group(1)
+    if mesh == "pp=2,tp=2":  # each pipeline rank holds its half of the blocks
+        assert "blocks 0-1" in holds and "blocks 2-3" in holds and "blocks 0-3" not in holds, holds
+    if "Interleaved1F1B" in extra:  # 4 stages over 2 ranks: rank 0 stages 0 and 2
+        assert "rank 0 blocks 0,2" in holds and "rank 1 blocks 1,3" in holds, holds
+
+
+def _same_logits(a: str, b: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a)
+    ids = torch.tensor([tok("In the beginning God created the heaven and the earth.")["input_ids"]])
+    with torch.no_grad():
+        la = AutoModelForCausalLM.from_pretrained(a).eval()(input_ids=ids).logits
+        lb = AutoModelForCausalLM.from_pretrained(b).eval()(input_ids=ids).logits
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_killed_rank_resumes_with_its_data_position(checkpoints, cache, tmp_path):
+    """A rank SIGKILLed at a random step; ``torchrun --max-restarts=1`` restarts the run, which
+    resumes from the last committed checkpoint (weights, optimizer, scheduler, data position)
+    and ends at the uninterrupted run's checksum, bit for bit."""
+    steps = 8
+    args = _common(checkpoints["llama"], cache) + ["--steps", str(steps), "--mesh", "dp=2,tp=2", "--ckpt-every", "2"]
+    want = _checksum(_run(4, args + ["--ckpt-dir", str(tmp_path / "uninterrupted")]))
+    kill_after = random.Random(time.time_ns()).randint(3, steps - 2)
+    cmd = _cmd(4, args + ["--ckpt-dir", str(tmp_path / "killed")], restarts=1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    lines, killed = [], None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and line.startswith(f"step {kill_after} loss"):
+                workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "fxshard" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
+                assert workers, "no worker processes found"
+                victim = random.Random(kill_after).choice(workers)
+                victim.send_signal(signal.SIGKILL)
+                killed = victim.pid
+            assert time.monotonic() < deadline, "timed out"
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert killed is not None, f"never reached step {kill_after}:\n{out[-3000:]}"
+    assert proc.returncode == 0, f"killed at step {kill_after}, the restarted run failed:\n{out[-5000:]}"
+    resumed = re.findall(r"^resumed from \S+ at step (\d+)$", out, re.M)
+    assert resumed and int(resumed[-1]) <= kill_after, f"killed after step {kill_after}; no resume:\n{out[-3000:]}"
+    assert _checksum(out) == want, f"killed after step {kill_after}: {_checksum(out)!r} != {want!r}"

@@ -21,7 +21,7 @@ from fxshard.transform import transform
 
 from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
 from fxshard.training.fsdp import fully_shard as fxshard_fully_shard
-from fxshard.training.grad_norm import grad_norm as fxshard_grad_norm, track_parameters
+from fxshard.training.grad_norm import stages_grad_norm, track_parameters
 
 from .spec import PipelineSpec
 from .stages import LossProgram, StageCut, cut_stages, split_loss
@@ -618,7 +618,8 @@ def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
     p = float(norm_type)
     staged.sync_stage_state()
     mine = _owned_params(staged)
-    local = fxshard_grad_norm(mine, norm_type) if mine else torch.zeros(())
+    # this rank's stages' norm over the plan's axes (fxshard.grad_norm refuses a list of stage parameters)
+    local = stages_grad_norm(mine, norm_type) if mine else torch.zeros(())
     local = local.detach().float().clone()
     if p == math.inf:
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=staged.pp_group)

@@ -17,8 +17,12 @@ Example::
     opt.step()
 
 ``torch.nn.utils.clip_grad_norm_`` called on the parameters of a module that fxshard
-shards raises a ``PlanError`` that says so (the guard is installed by the first
-:func:`fxshard.transform`); on unsharded modules it is torch's, unchanged.
+shards, or of a pipelined one (``fxshard.pipeline_transform``: a rank holds its stages'
+parameters, so torch would take one stage's norm), raises a ``PlanError`` that says so
+(the guard is installed by the first :func:`fxshard.transform`); on other modules it is
+torch's, unchanged.  :func:`clip_grad_norm_` itself refuses a list of a pipelined module's
+parameters in the same way: the norm over every stage needs the module
+(``fxshard.clip_grad_norm_(staged, max_norm)``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from fxshard.runtime import collectives
 from fxshard.errors import PlanError
 from fxshard.state.shards import copies, copies_of, owned_children
 
-__all__ = ["clip_grad_norm_", "grad_norm", "track_parameters"]
+__all__ = ["clip_grad_norm_", "grad_norm", "stages_grad_norm", "track_parameters"]
 
 # id(parameter) -> (weakref to it, weakref to its transformed module, fqn)
 _OWNER: dict[int, tuple] = {}
@@ -70,7 +74,11 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
 
     Example: ``norm = fxshard.grad_norm(sharded)``
     """
+    if not isinstance(module_or_params, (torch.nn.Module, torch.Tensor)):
+        module_or_params = list(module_or_params)  # an iterator is read twice below
     pipelined = "fxshard_pipeline" in getattr(module_or_params, "meta", {})
+    if not pipelined:
+        _refuse_stage_params(module_or_params, "fxshard.grad_norm", "fxshard.grad_norm(staged)")
     # this rank's stages of a pipelined module: the norm over every stage is the module's own
     total = module_or_params.grad_norm(norm_type) if pipelined else _norm(module_or_params, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -78,6 +86,14 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
                            f"to disable this error and scale the gradients by the non-finite norm anyway, set "
                            f"error_if_nonfinite=False")
     return total
+
+
+def stages_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm over ``params``, parameters of this rank's pipeline stages, across the
+    axes of the plan within a stage and not across the pipeline: the part of
+    :func:`fxshard.pipelining.grad_norm` that each pipeline rank computes before the
+    all-reduce over the pipeline axis."""
+    return _norm(params, norm_type)
 
 
 def _norm(module_or_params, norm_type: float) -> torch.Tensor:
@@ -113,6 +129,8 @@ def clip_grad_norm_(module_or_params, max_norm: float, norm_type: float = 2.0, e
         opt.step()
     """
     params = [q for _, q in _named_params(module_or_params)]
+    if "fxshard_pipeline" not in getattr(module_or_params, "meta", {}):
+        _refuse_stage_params(params, "fxshard.clip_grad_norm_", "fxshard.clip_grad_norm_(staged, max_norm)")
     total = grad_norm(params if not isinstance(module_or_params, torch.nn.Module) else module_or_params,
                       norm_type, error_if_nonfinite)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -193,6 +211,30 @@ def _module_sum(gm: fx.GraphModule, named, p: float) -> torch.Tensor | None:
 # ----------------------------------------------------------------------------- torch's own, caught
 
 
+def _stage_param(p: torch.Tensor) -> tuple[str, int] | None:
+    """``(fqn, stage)`` if ``p`` is a parameter of a pipeline stage (also once FSDP2 has
+    replaced it: ``fxshard.fully_shard`` tracks the new one)."""
+    hit = _owner(p)
+    if hit is None:
+        return None
+    gm, fqn = hit
+    stage = gm.meta.get("fxshard_pipeline_stage")
+    return None if stage is None else (fqn, stage["stage"])
+
+
+def _refuse_stage_params(module_or_params, called: str, fix: str) -> None:
+    """A PlanError when ``module_or_params`` holds a parameter of a pipeline stage: on its
+    own, a rank has its stages' parameters only, and their norm is not the model's."""
+    hit = next((h for h in (_stage_param(q) for _, q in _named_params(module_or_params)) if h is not None), None)
+    if hit is not None:
+        fqn, stage = hit
+        raise PlanError(f"{called} on the parameters of a pipelined module: {fqn!r} is a parameter of stage {stage}, and "
+                        f"this rank holds its stages' parameters only, so the norm would be theirs, not the model's, and "
+                        f"each pipeline rank would clip by another factor\n  fix: {fix} with staged the module "
+                        f"fxshard.pipeline_transform returned (the same arguments): the norm over every stage, the same "
+                        f"on every rank")
+
+
 def _sharded_by_fxshard(p: torch.Tensor) -> str | None:
     """The FQN of ``p`` if it is a shard that fxshard cut (some rank holds another box)."""
     hit = _owner(p)
@@ -215,6 +257,7 @@ def _guard_torch_clip() -> None:
     @functools.wraps(original)
     def clip_grad_norm_guarded(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        _refuse_stage_params(params, "torch.nn.utils.clip_grad_norm_", "fxshard.clip_grad_norm_(staged, max_norm)")
         sharded = next((fqn for fqn in map(_sharded_by_fxshard, params) if fqn is not None), None)
         if sharded is not None:
             raise PlanError(f"torch.nn.utils.clip_grad_norm_ on the parameters of a module fxshard shards: {sharded!r} is "

@@ -599,6 +599,9 @@ def fully_shard(staged: PipelinedModule, mesh=None, **fsdp_kwargs) -> PipelinedM
         staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs=kw)
         fxshard.pipelining.fully_shard(staged, mesh["dp"])
     """
+    # the stages must hold this module's tensors (fxshard.materialize replaced them by FQN), or
+    # FSDP2 would shard the meta tensors the stages were cut with
+    staged.sync_stage_state()
     for st in staged.stages:
         fxshard_fully_shard(st, mesh, **fsdp_kwargs)
     staged.adopt_stage_state()

@@ -129,6 +129,7 @@ class Run:
         a, dims = self.args, self.dims
         t0 = time.perf_counter()
         source = ModelSource.resolve(a.model, parse_overrides(a.model_config), seed=a.seed)
+        source.positions = a.seq
         self.source = source
         # a model built from its type takes the byte-level tokenizer's 257 ids, padded
         self.vocab = source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)

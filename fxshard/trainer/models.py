@@ -73,6 +73,7 @@ class ModelSource:
     name: str
     overrides: dict = field(default_factory=dict)
     seed: int = 0
+    positions: int = 0  # the sequence length trained: a model built from its type gets at least as many positions
 
     @classmethod
     def resolve(cls, name: str, overrides: dict | None = None, seed: int = 0) -> "ModelSource":
@@ -125,10 +126,17 @@ class ModelSource:
                 cfg = tiny_config(self.name, **overrides)
             except (TinyBuildError, TypeError) as e:
                 raise TrainerError(f"--model {self.name} --model-config {self.overrides}: {e}") from None
+            if getattr(cfg, "max_position_embeddings", None) and "max_position_embeddings" not in self.overrides:
+                cfg.max_position_embeddings = max(cfg.max_position_embeddings, self.positions)
         else:
             return None
         # scaled_dot_product_attention: the attention context parallelism rewrites, and the fastest on GPUs
         cfg._attn_implementation = "sdpa"
+        if self.kind == "hf_dir" and hasattr(cfg, "_experts_implementation"):
+            # built on the meta device, HF's default grouped_mm experts cannot be captured in float32 (torch's
+            # meta kernel of _grouped_mm takes bf16 only); batched matmuls capture in any dtype. One process
+            # uses the same, so both run the same ops
+            cfg._experts_implementation = "batched_mm"
         return cfg
 
     def vocab_size(self, tokenizer_vocab: int | None = None) -> int:
@@ -144,7 +152,7 @@ class ModelSource:
         if self.kind == "torchtitan":
             from fxshard.testing.torchtitan_models import tiny_llama3
 
-            kw = {"attn": "sdpa", **self.overrides}
+            kw = {"attn": "sdpa", "max_seq_len": max(64, self.positions), **self.overrides}
             if vocab_size is not None:
                 kw.setdefault("vocab_size", vocab_size)
             return tiny_llama3(seed=self.seed, **kw).to(device).train()

@@ -1,0 +1,131 @@
+"""Is ``python -m fxshard train`` as fast as the plain loop a user would write?
+
+The same checkpoint, the same text and batches, AdamW and clipping at one rank:
+
+* ``plain``: the HF model from ``from_pretrained``, ``F.cross_entropy`` on its logits,
+  ``clip_grad_norm_``, ``AdamW.step`` (optionally ``torch.compile``d, under bf16 autocast);
+* ``trainer``: ``python -m fxshard train`` on one process with the same flags, its own
+  ``tokens_per_s`` from ``metrics.jsonl`` (what the trainer reports to users).
+
+Both are timed per step (the data read included), the first ``--warmup`` steps left out; the
+median of the rest is printed with the ratio trainer / plain and, on a GPU, the MFU.
+
+    python benchmarks/trainer.py                                        # CPU, a small Llama
+    python benchmarks/trainer.py --device cuda --hidden 1024 --layers 8 --seq 1024 --batch 8 --bf16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import ROOT, describe_machine, table, write_json
+
+TEXT = ROOT / "examples" / "data" / "genesis.txt"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--compile", default=None, metavar="BACKEND")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def make_checkpoint(args, root: str) -> str:
+    from fxshard.testing.hf_checkpoints import make_hf_checkpoint
+
+    return str(make_hf_checkpoint(os.path.join(root, "model"), args.model, text_files=[str(TEXT)], vocab_size=args.vocab,
+                                  hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                  num_key_value_heads=args.heads // 2, intermediate_size=4 * args.hidden,
+                                  max_position_embeddings=max(64, args.seq), head_dim=args.hidden // args.heads))
+
+
+def plain_loop(args, ckpt: str, cache: str) -> list[float]:
+    """Seconds per step of the loop a user writes around the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    from fxshard.trainer.data import PackedTokens, TextBatches, load_tokenizer
+
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa").to(device).train()
+    tokenizer = load_tokenizer(ckpt, model.config.vocab_size)
+    batches = TextBatches(PackedTokens.from_files([str(TEXT)], tokenizer, args.seq, cache_dir=cache), args.batch)
+    step_fn = torch.compile(model, backend=args.compile) if args.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    times = []
+    for _ in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ids, labels = (t.to(device) for t in batches.next_batch())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = step_fn(input_ids=ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def trainer_run(args, ckpt: str, cache: str, logs: str) -> list[dict]:
+    """``python -m fxshard train`` on one process; its metrics records."""
+    cmd = [sys.executable, "-m", "fxshard", "train", "--model", ckpt, "--data", str(TEXT), "--steps", str(args.steps),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--data-cache", cache, "--log-dir", logs,
+           "--device", args.device, "--lr", "3e-3", "--clip", "1.0"]
+    cmd += ["--bf16"] if args.bf16 else []
+    cmd += ["--compile", args.compile] if args.compile else []
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    with open(os.path.join(logs, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if "eval_loss" not in line]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        ckpt, cache = make_checkpoint(args, root), os.path.join(root, "tokens")
+        tokens = args.batch * args.seq
+        # plain first: it tokenizes the text into the cache both read
+        plain_times = plain_loop(args, ckpt, cache)[args.warmup:]
+        records = trainer_run(args, ckpt, cache, os.path.join(root, "logs"))[args.warmup:]
+    plain_tps = tokens / statistics.median(plain_times)
+    trainer_tps = statistics.median(r["tokens_per_s"] for r in records)
+    mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
+    rows = [{"loop": "plain HF + AdamW", "tokens_per_s": plain_tps, "ratio": 1.0},
+            {"loop": "python -m fxshard train", "tokens_per_s": trainer_tps, "ratio": trainer_tps / plain_tps,
+             "tflops": statistics.median(r["tflops"] for r in records),
+             "mfu": statistics.median(mfu) if mfu else None}]
+    print(f"{args.model} hidden {args.hidden} x {args.layers} layers, batch {args.batch} x {args.seq} tokens, "
+          f"{args.device}{', bf16' if args.bf16 else ''}{', compile ' + args.compile if args.compile else ''}; "
+          f"median of steps {args.warmup + 1}-{args.steps}; {describe_machine()}")
+    print(table(rows, [("loop", "loop", ""), ("tokens_per_s", "tokens/s", ",.0f"), ("ratio", "trainer / plain", ".3f"),
+                       ("tflops", "TFLOPs", ".3f"), ("mfu", "MFU", ".1%")]))
+    write_json("trainer", vars(args), rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

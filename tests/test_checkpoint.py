@@ -306,3 +306,98 @@ def test_tied_state_found_under_its_other_name(tmp_path):
     step(saving, opt)
     step(loading, loading_opt)
     torch.testing.assert_close(loading.head.weight, saving.emb.weight)
+
+
+class _CreatesFile:
+    """What a tampered checkpoint holds: unpickled, it calls ``open(path, "w")``, creating the
+    file (any other code could run there)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _small_checkpoint(path, state=None):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    fxshard.save(model, path, optimizer=opt, state=state)
+    return model
+
+
+def test_tampered_state_file_is_refused_not_run(tmp_path):
+    _small_checkpoint(tmp_path / "c", state={"step": 1})
+    control, ran = tmp_path / "control", tmp_path / "ran"
+    torch.save(_CreatesFile(control), tmp_path / "payload.pt")
+    torch.load(tmp_path / "payload.pt", weights_only=False)  # the payload is live: unpickled, it runs
+    assert control.exists()
+    torch.save(_CreatesFile(ran), tmp_path / "c" / "state.0.pt")
+    with pytest.raises(fxshard.PlanError, match="(?s)state.0.pt does not load as plain data.*tampered.*was not run"):
+        fxshard.load(torch.nn.Linear(4, 3), tmp_path / "c")
+    assert not ran.exists()
+
+
+def test_tampered_dcp_metadata_is_refused_not_run(tmp_path):
+    """DCP's .metadata is a pickle that torch's FileSystemReader reads with pickle.load."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    _small_checkpoint(tmp_path / "c")
+    control, ran = tmp_path / "control", tmp_path / "ran"
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(_CreatesFile(control)))
+    try:
+        dcp.FileSystemReader(str(tmp_path / "c")).read_metadata()  # torch's own reader runs it
+    except Exception:  # noqa: BLE001 - a file object is no Metadata; what matters is that it ran
+        pass
+    assert control.exists()
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(_CreatesFile(ran)))
+    with pytest.raises(fxshard.PlanError, match=r"(?s)\.metadata does not load as plain data \((builtins|io)\.open is not a part of DCP's metadata"):
+        fxshard.load(torch.nn.Linear(4, 3), tmp_path / "c")
+    assert not ran.exists()
+
+
+def test_tampered_dcp_value_is_refused_not_run(tmp_path):
+    """A value DCP stores as bytes (the optimizer's param_groups) is a torch.save pickle, which
+    DCP's DefaultLoadPlanner reads with torch.load(weights_only=False)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    model = _small_checkpoint(tmp_path / "c")
+    control, ran = tmp_path / "control", tmp_path / "ran"
+    for path, marker in ((tmp_path / "d", control), (tmp_path / "c", ran)):
+        sd = {"model.weight": model.weight.detach(), "model.bias": model.bias.detach(),
+              "optim.param_groups": _CreatesFile(marker)}
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    dcp.load({"optim.param_groups": None}, checkpoint_id=str(tmp_path / "d"), no_dist=True)  # DCP's own load runs it
+    assert control.exists()
+    (tmp_path / "c" / "fxshard_commit.json").write_text(json.dumps({"seq": 1, "world_size": 1}))
+    other = torch.nn.Linear(4, 3)
+    with pytest.raises(fxshard.PlanError, match="(?s)'optim.param_groups' in .* does not load as plain data.*not run"):
+        fxshard.load(other, tmp_path / "c", optimizer=torch.optim.AdamW(other.parameters()))
+    assert not ran.exists()
+
+
+def test_save_refuses_state_that_is_not_plain_data(tmp_path):
+    """Anything torch.load(weights_only=True) would not load is refused up front, by its key
+    path, and nothing is written; an LR scheduler's state_dict() and the RNG state are plain."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4])  # its state holds a Counter
+    for bad, where in (({"sched": sched}, r"state\['sched'\] is a torch.optim.lr_scheduler.MultiStepLR"),
+                       ({"data": [1, {"next": lambda: 0}]}, r"state\['data'\]\[1\]\['next'\] is a builtins.function")):
+        with pytest.raises(fxshard.PlanError, match=f"(?s){where}.*fix: .*state_dict()"):
+            fxshard.save(model, tmp_path / "bad", optimizer=opt, state=bad)
+        assert not os.listdir(tmp_path)
+    opt.param_groups[0]["schedule"] = lambda step: 1.0  # an optimizer hyperparameter DCP would pickle
+    with pytest.raises(fxshard.PlanError, match=r"optimizer.param_groups\[0\]\['schedule'\] is a builtins.function"):
+        fxshard.save(model, tmp_path / "bad", optimizer=opt)
+    del opt.param_groups[0]["schedule"]
+    state = {"step": 3, "sched": sched.state_dict(), "rng": torch.get_rng_state(), "pos": (7, [1.5, None, "a"])}
+    fxshard.save(model, tmp_path / "good", optimizer=opt, state=state)
+    back = fxshard.load(torch.nn.Linear(4, 3), tmp_path / "good")
+    assert back["sched"] == sched.state_dict() and back["pos"] == state["pos"] and torch.equal(back["rng"], state["rng"])

@@ -16,11 +16,21 @@ reads each from whichever files hold it: a checkpoint saved at tp=4 loads at tp=
 tp, or into the plain single-device model (no process group).  Keys:
 ``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups`` (parameters by
 FQN), so a checkpoint is readable with DCP's own tools.
+
+Nothing in a checkpoint is run when it is loaded: a checkpoint may come from elsewhere, and
+unpickling runs whatever the pickle names.  Everything that is not a tensor's bytes is
+plain data (what ``torch.load(weights_only=True)`` loads: dicts, lists, tuples, strings,
+numbers, ``None``, tensors), refused at :func:`save` otherwise; :func:`load` reads the
+``state`` files and DCP's pickled values with ``weights_only=True`` and DCP's
+``.metadata`` (a pickle, which torch's ``FileSystemReader`` reads with ``pickle.load``)
+with an unpickler that builds DCP's metadata classes and nothing else.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import shutil
 from typing import Any
 
@@ -28,8 +38,11 @@ import torch
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -88,9 +101,9 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self, bar):
+    def __init__(self, bar, path: str):
         super().__init__()
-        self.bar = bar
+        self.bar, self.path = bar, path
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # DefaultLoadPlanner's first step re-allocates meta tensors and drops any other
@@ -112,8 +125,103 @@ class _LoadPlanner(DefaultLoadPlanner):
         super().commit_tensor(read_item, tensor)
 
     def load_bytes(self, read_item, value) -> None:
+        # DefaultLoadPlanner reads a pickled value with torch.load(weights_only=False), which runs its pickle
         self.bar.update(1)
-        super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        obj = _load_plain(value, f"the value {fqn!r} in {self.path}")
+        set_element(self.original_state_dict, self.mappings[fqn], obj)
+
+
+_METADATA_GLOBALS = {
+    # what DCP's .metadata pickles (torch 2.13): its metadata classes, the file reader's record of where each
+    # item is, torch's size, dtypes and layouts, and the checkpoint id a save was given (a path)
+    *((dcp_metadata.__name__, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+                                                 "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
+                                                 "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that builds DCP's metadata classes only: any other global a
+    pickle names (``os.system``, ``builtins.eval``) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a part of DCP's metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` reading ``.metadata`` with :class:`_MetadataUnpickler`
+    (torch's reads it with ``pickle.load``: a tampered file would run its pickle)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except Exception as e:  # noqa: BLE001 - whatever the bytes make the unpickler raise
+                raise _not_plain(path, e) from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise _not_plain(path, TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _not_plain(what, error: BaseException) -> PlanError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return PlanError(f"fxshard.load: {os.fspath(what) if isinstance(what, os.PathLike) else what} does not load as plain "
+                     f"data ({reason}); it may have been tampered with, or written by an fxshard older than this one "
+                     f"(which pickled any object); it was not run\n  fix: load checkpoints only from a source you "
+                     f"trust; one you wrote yourself with an older fxshard: read it once with torch.load(..., "
+                     f"weights_only=False) and save its values again as plain data")
+
+
+def _load_plain(source, what: str):
+    """``torch.load(source, weights_only=True)``: tensors and plain containers, never a
+    pickle's code; anything else is a PlanError naming ``what``."""
+    try:
+        return torch.load(source, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - an UnpicklingError, or whatever the bytes make torch raise
+        raise _not_plain(what, e) from None
+
+
+def _loads_plain(obj) -> bool:
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _first_not_plain(obj, path: str) -> tuple[str, type] | None:
+    """The path and type of the first value in ``obj`` that ``torch.load(weights_only=True)``
+    would refuse, or ``None`` (each level is checked by a round trip through torch, the
+    ground truth; only the way down to a refused value is walked)."""
+    if _loads_plain(obj):
+        return None
+    if isinstance(obj, dict):
+        children = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set)):
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        children = iter(())
+    for child_path, v in children:
+        found = _first_not_plain(v, child_path)
+        if found is not None:
+            return found
+    return path, type(obj)  # the container itself (a defaultdict, a namedtuple), or a leaf
 
 
 def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
@@ -206,13 +314,17 @@ def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
     path = os.fspath(path)
     staging = path + _STAGING
     rank = _rank()
+    sd = _state_dict(module, optimizer)
+    # only plain data, which load reads without running anything; checked on every rank before anything is written
+    device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
+    state_bytes = _plain_bytes(state, sd, optimizer, device)
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what a save killed earlier left
         os.makedirs(staging)
     _barrier()
-    if state is not None:
-        torch.save(state, os.path.join(staging, f"state.{rank}.pt"))
-    sd = _state_dict(module, optimizer)
+    if state_bytes is not None:
+        with open(os.path.join(staging, f"state.{rank}.pt"), "wb") as f:
+            f.write(state_bytes)
     bar = progress(None, f"saving to {path}", show_progress, unit="piece")
     try:
         # returns once the coordinator has written the metadata, i.e. after every rank's data
@@ -225,6 +337,57 @@ def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
         if keep_last is not None:
             _keep_last(os.path.dirname(os.path.abspath(path)), keep_last)
     _barrier()
+
+
+def _plain_bytes(state: dict | None, sd: dict[str, Any], optimizer, device: torch.device) -> bytes | None:
+    """``state`` as ``torch.save`` writes it, once every value DCP pickles (``state``, the
+    optimizer's hyperparameters and any state of its that is no tensor) is known to load with
+    ``torch.load(weights_only=True)``; else a PlanError naming the first that would not, on
+    every rank (a refusal on one rank alone would leave the others waiting at a barrier)."""
+    problem = None
+    state_bytes = None
+    if state is not None:
+        buf = io.BytesIO()
+        try:
+            torch.save(state, buf)
+            state_bytes = buf.getvalue()
+            torch.load(io.BytesIO(state_bytes), weights_only=True)
+        except Exception:  # noqa: BLE001 - the walk names the value (one that does not pickle at all, too)
+            problem = _first_not_plain(state, "state") or ("state", type(state))
+    if problem is None and optimizer is not None:
+        for key, value in sd.items():
+            if isinstance(value, (ShardView, torch.Tensor)) or not key.startswith("optim."):
+                continue
+            where = "optimizer.param_groups" if key == "optim.param_groups" else \
+                f"the optimizer's state {key[len('optim.state.'):]!r}"
+            problem = _first_not_plain(value, where)
+            if problem is not None:
+                break
+    refusing = _ranks_with(problem is not None, device)
+    if problem is not None:
+        where, kind = problem
+        raise PlanError(f"fxshard.save: {where} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint does not "
+                        f"store: fxshard.load reads only plain data (dicts, lists, tuples, strings, numbers, None, "
+                        f"tensors), so that loading a checkpoint never runs code from it\n  fix: save its plain state "
+                        f"instead: obj.state_dict() for an object that has one (an LR scheduler, a data loader), or "
+                        f"its values in a dict")
+    if refusing:
+        raise PlanError(f"fxshard.save: rank(s) {refusing} refused a value that is not plain data (their error names "
+                        f"it); nothing was written")
+    return state_bytes
+
+
+def _ranks_with(flag: bool, device: torch.device) -> list[int]:
+    """The ranks on which ``flag`` is set (one all-reduce; ``[]`` or ``[0]`` without a
+    process group)."""
+    if _single_process():
+        return [0] if flag else []
+    import torch.distributed as dist
+
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = int(flag)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
@@ -313,8 +476,7 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
                         f"{' (its save did not finish on every rank)' if partial else ' (no such folder)'}: it has no "
                         f"{COMMIT_FILE}\n  fix: load fxshard.latest_checkpoint({os.path.dirname(path) or '.'!r}), the newest "
                         f"checkpoint every rank finished")
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    saved = _SafeReader(path).read_metadata().state_dict_metadata
     views, names = _views(module)
     on_meta = [k for k, v in views.items() if v.local.is_meta]
     if on_meta:
@@ -334,14 +496,20 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
         sd.update(_optimizer_targets(optimizer, views, names, aliases, saved))
     bar = progress(None, f"loading {os.fspath(path)}", show_progress, unit="piece")
     try:
-        dcp.load(sd, checkpoint_id=os.fspath(path), planner=_LoadPlanner(bar), no_dist=_single_process())
+        dcp.load(sd, checkpoint_id=path, storage_reader=_SafeReader(path), planner=_LoadPlanner(bar, path),
+                 no_dist=_single_process())
+    except CheckpointException as e:  # DCP gathers each rank's exception: a refused value is fxshard's error
+        refused = next((exc for exc, _ in e.failures.values() if isinstance(exc, PlanError)), None)
+        if refused is None:
+            raise
+        raise refused from None
     finally:
         bar.close()
     if optimizer is not None:
         _restore_optimizer(optimizer, names, aliases, sd)
     for name in (f"state.{_rank()}.pt", "state.0.pt"):
         if os.path.isfile(os.path.join(path, name)):
-            return torch.load(os.path.join(path, name), weights_only=False)  # the run's own objects (schedulers, RNG)
+            return _load_plain(os.path.join(path, name), os.path.join(path, name))
     return None
 
 

@@ -34,6 +34,20 @@ def main(argv: list[str] | None = None) -> int:
 
     add_parsers(sub)
     args = parser.parse_args(argv)
+    from fxshard.cli.extras import MissingExtra, missing_extra
+
+    try:
+        return _run(args)
+    except (MissingExtra, ModuleNotFoundError) as e:
+        # an optional package the command needs (transformers: the hf extra): one line naming the extra, exit 2
+        missing = e if isinstance(e, MissingExtra) else missing_extra(e)
+        if missing is None:
+            raise
+        print(f"fxshard {args.command}: {missing}", file=sys.stderr, flush=True)
+        return MissingExtra.exit_status
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from fxshard.cli.demo import run_demo
 

@@ -182,3 +182,75 @@ def test_auto_plan(capsys):
     assert "plan = fxshard.Plan(mesh, {" in err and "'layers.*.feed_forward.w2': fxshard.rowwise('tp')," in err
     assert "'layers.*.attention.wk': fxshard.colwise('tp', heads=2)," in err and "2 KV heads each on 2 ranks" in err
     assert "all_reduce" in out
+
+
+# --------------------------------------------------------------------------- optional packages: the extra named
+
+
+@pytest.fixture
+def no_transformers(monkeypatch, tmp_path):
+    """transformers not installed (``None`` in sys.modules: its import raises ModuleNotFoundError),
+    and two model modules that need it: one imports it at the top, one inside its factory."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    (tmp_path / "hf_eager.py").write_text("import transformers\n\ndef build():\n    return transformers.AutoModel\n")
+    (tmp_path / "hf_lazy.py").write_text("def build():\n    import transformers\n    return transformers.AutoModel\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("hf_eager", "hf_lazy"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.mark.parametrize("model", ["hf_eager:build", "hf_lazy:build"])
+def test_missing_extra_is_one_line_naming_it_exit_2(capsys, no_transformers, model):
+    from fxshard.__main__ import main
+
+    rc = main(["dump", model, "--plan", "fxshard.testing.models:llama_plan", "--mesh", "tp=2"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"fxshard dump: {model!r} needs transformers, which is not installed: pip install 'fxshard[hf]'\n", err
+
+
+def test_require_names_the_extra(no_transformers):
+    from fxshard.cli.extras import MissingExtra, require
+
+    with pytest.raises(MissingExtra, match=r"^--model DIR needs transformers, which is not installed: "
+                                           r"pip install 'fxshard\[hf\]'$") as info:
+        require("transformers", "hf", "--model DIR")
+    assert (info.value.module, info.value.extra, info.value.exit_status) == ("transformers", "hf", 2)
+    assert require("json", "hf") is json
+
+
+def test_a_missing_extra_escaping_any_command_is_one_line(capsys, monkeypatch):
+    """``python -m fxshard``'s own catch: a command that imports torchtitan without require()."""
+    import fxshard.cli.demo
+    from fxshard.__main__ import main
+
+    def needs(name):
+        def run_demo(args):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return run_demo
+
+    monkeypatch.setattr(fxshard.cli.demo, "run_demo", needs("torchtitan"))
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err == ("fxshard demo: this needs torchtitan, which is not installed: "
+                                       "pip install 'fxshard[torchtitan]'\n")
+    monkeypatch.setattr(fxshard.cli.demo, "run_demo", needs("nosuchpackage"))  # not an extra's: the traceback stays
+    with pytest.raises(ModuleNotFoundError, match="nosuchpackage"):
+        main(["demo"])
+
+
+def test_extras_are_pyproject_s():
+    """Each package of EXTRA_OF is in that extra of the installed fxshard's metadata."""
+    import importlib.metadata
+    import re
+
+    from fxshard.cli.extras import EXTRA_OF
+
+    requires = importlib.metadata.requires("fxshard") or []
+    by_extra: dict[str, set[str]] = {}
+    for req in requires:
+        name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        by_extra.setdefault(extra.group(1) if extra else "", set()).add(name)
+    for module, extra in EXTRA_OF.items():
+        assert module in by_extra.get(extra, set()), f"{module} is not in fxshard[{extra}]: {sorted(by_extra.get(extra, ()))}"
+    assert "numpy" in by_extra[""], "numpy is a base dependency: torch warns at import without it"

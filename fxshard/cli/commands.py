@@ -36,6 +36,8 @@ import inspect
 import sys
 from typing import Any, Callable
 
+from fxshard.cli.extras import MissingExtra, missing_extra
+
 FORMATS = ("text", "json", "dot", "svg")
 
 
@@ -114,6 +116,9 @@ def resolve(text: str) -> tuple[Any, tuple | None, dict]:
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
+        missing = missing_extra(e, repr(text))  # an HF model's module without transformers: name the extra
+        if missing is not None:
+            raise missing from None
         raise UsageError(f"{text!r}: cannot import module {module_name!r}: {e}") from None
     for part in name.split("."):
         try:
@@ -135,6 +140,9 @@ def _call(obj, args, kwargs, text: str, *first):
     try:
         return obj(*first, *(args or ()), **kwargs)
     except Exception as e:  # the user's factory failed: say which one, keep it short
+        missing = missing_extra(e, repr(text))
+        if missing is not None:
+            raise missing from None
         raise UsageError(f"{text!r} raised {type(e).__name__}: {e}") from e
 
 
@@ -247,7 +255,7 @@ def run_dump(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"fxshard dump: the plan does not fit the model:\n{e}", file=sys.stderr)
         return 1
-    except UsageError as e:
+    except (UsageError, MissingExtra) as e:
         print(f"fxshard dump: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # e.g. Graphviz missing

@@ -22,7 +22,8 @@ from types import ModuleType
 
 # the top-level module of each package an extra of pyproject.toml installs -> that extra
 # (tests/test_cli.py checks it against the installed metadata)
-EXTRA_OF = {"transformers": "hf", "accelerate": "hf", "torchtitan": "torchtitan"}
+EXTRA_OF = {"transformers": "hf", "accelerate": "hf", "torchtitan": "torchtitan", "datasets": "train",
+            "tensorboard": "train"}
 
 
 class MissingExtra(Exception):

@@ -130,6 +130,9 @@ class Run:
         t0 = time.perf_counter()
         source = ModelSource.resolve(a.model, parse_overrides(a.model_config), seed=a.seed)
         source.positions = a.seq
+        if a.export_hf and source.kind == "torchtitan":
+            raise TrainerError(f"--export-hf with --model {a.model}: an HF checkpoint needs an HF model\n  fix: drop "
+                               f"--export-hf (--ckpt-dir keeps DCP checkpoints, which torchtitan reads)")
         self.source = source
         # a model built from its type takes the byte-level tokenizer's 257 ids, padded
         self.vocab = source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
@@ -394,8 +397,6 @@ def run(args) -> int:
         r.setup()
         r.train()
         if args.export_hf:
-            if r.config is None:
-                raise TrainerError(f"--export-hf with --model {args.model}: an HF checkpoint needs an HF model")
             probe = r.probe()
             root = args.ckpt_dir
             if root is None:  # a checkpoint to export from, removed afterwards

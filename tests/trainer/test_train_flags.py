@@ -63,6 +63,7 @@ def refused(capsys, *argv) -> str:
     (["--batch", "6", "--accum", "4"], "does not divide"),
     (["--seq", "1"], "--seq 1: at least 2"),
     (["--model-config", "no_such_field=1"], "no_such_field"),
+    (["--model", "torchtitan-llama3", "--export-hf", "out"], "an HF checkpoint needs an HF model"),
 ])
 def test_refused_with_the_fix(capsys, argv, says):
     err = refused(capsys, "--data", TEXT, *argv)

@@ -256,3 +256,14 @@ def test_context_parallel_benchmark(tmp_path):
     comm = json.loads(out.read_text())["results"]["comm"]
     assert all(r["fwd_bytes"] == r["fwd_analytical"] == r["fwd_measured"] and
                r["bwd_bytes"] == r["bwd_analytical"] == r["bwd_measured"] for r in comm)
+
+
+def test_trainer_benchmark(results):
+    """benchmarks/trainer.py: the trainer and the plain loop run the same steps; both figures are printed."""
+    out = results / "trainer.json"
+    text = _run([str(BENCH / "trainer.py"), "--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "32",
+                 "--steps", "4", "--warmup", "1", "--repeats", "1", "--out", str(out)], timeout=300)
+    assert "python -m fxshard train" in text and "plain HF + AdamW" in text
+    rows = {r["loop"]: r for r in _results(out)}
+    assert rows["plain HF + AdamW"]["tokens_per_s"] > 0 and rows["python -m fxshard train"]["tokens_per_s"] > 0
+    assert rows["python -m fxshard train"]["tflops"] > 0 and rows["python -m fxshard train"]["mfu"] is None  # no CPU peak

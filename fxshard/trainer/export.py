@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -49,7 +50,9 @@ def load_exportable(ckpt: str, model_dir: str | None = None):
                            f"with an HF model (it keeps CKPT_DIR/{MODEL_DIR}), or pass --model-dir with the config")
     config = AutoConfig.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fxshard.load(model, ckpt, show_progress=False)
+    with warnings.catch_warnings():  # DCP says it loads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fxshard.load(model, ckpt, show_progress=False)
     tokenizer = None
     if any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -58,7 +61,10 @@ def load_exportable(ckpt: str, model_dir: str | None = None):
 
 def export_checkpoint(ckpt: str, out: str, model_dir: str | None = None) -> str:
     """Write checkpoint ``ckpt`` as an HF checkpoint directory ``out``; returns ``out``."""
+    from transformers.utils import logging as hf_logging
+
     model, tokenizer = load_exportable(ckpt, model_dir)
+    hf_logging.disable_progress_bar()  # one line says what was written
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -6,8 +6,9 @@
 #   NPROC=2 bash benchmarks/gpu.sh      # NCCL runs on 2 GPUs instead of 1
 #   STEPS="simulated_cuda cuda_tests" bash benchmarks/gpu.sh   # some of the steps
 #
-# Steps, most wanted first (each is logged and stopped at its time limit; a failing step is
-# recorded and the others still run):
+# Steps (each is logged and stopped at its time limit; a failing step is recorded and the others
+# still run), run most wanted first: trainer, nccl_demo, simulated_cuda, cuda_tests, compile_time,
+# step_time:
 #   1. compile_time   the sharded 16-layer Llama compiled whole vs one graph per block
 #                     (fxshard.compile), inductor (Triton kernels) and aot_eager, each run a fresh
 #                     torchrun with the caches off (benchmarks/compile_time.py --device cuda)
@@ -20,6 +21,9 @@
 #   5. step_time      fxshard vs DTensor vs hand-written Megatron on NCCL at a realistic hidden
 #                     size (dim 4096, ffn 14336, vocab 32768, batch 4 x 1024 tokens, fp32), eager
 #                     and inductor
+#   6. trainer        python -m fxshard train against the plain HF + AdamW loop on the same
+#                     checkpoint and text (bf16, hidden 1024 x 8 layers, 8 x 1024 tokens):
+#                     tokens/s, the ratio (>= 0.97 wanted) and MFU (benchmarks/trainer.py)
 # Everything lands in one JSON file, $OUT/../gpu.json (per step: command, exit status, seconds,
 # log tail, and the step's own results JSON).  The machine's own python3 and torch are used.
 set -u -o pipefail
@@ -31,7 +35,7 @@ DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 
-read -r -a STEPS <<< "${STEPS:-compile_time nccl_demo simulated_cuda cuda_tests step_time}"
+read -r -a STEPS <<< "${STEPS:-trainer nccl_demo simulated_cuda cuda_tests compile_time step_time}"
 declare -A CMD LIMIT
 CMD[compile_time]="python benchmarks/compile_time.py --device cuda --world $NPROC --backends ${COMPILE_BACKENDS:-inductor,aot_eager} --out $OUT/compile_time.json"
 CMD[cuda_tests]="python -m pytest -q -p no:cacheprovider -m cuda $(grep -rl 'pytest.mark.cuda' tests | sort | tr '\n' ' ')"
@@ -40,6 +44,8 @@ LIMIT[nccl_demo]=100
 LIMIT[simulated_cuda]=60
 LIMIT[cuda_tests]=90
 LIMIT[step_time]=140
+LIMIT[trainer]=150
+CMD[trainer]="python benchmarks/trainer.py --device cuda --bf16 --hidden 1024 --layers 8 --heads 16 --vocab 8192 --seq 1024 --batch 8 --steps 20 --warmup 5 --repeats 2 --out $OUT/trainer.json"
 CMD[nccl_demo]="${TORCHRUN[*]} -m fxshard demo --steps 5 --bench --bench-modes eager,aot_eager,inductor --bench-iters 20"
 CMD[simulated_cuda]="python benchmarks/device_equivalence.py --device cuda --tp 4 --out $OUT/simulated_cuda.json"
 CMD[step_time]="${TORCHRUN[*]} benchmarks/step_time.py --device cuda --sizes gpu --modes eager,inductor --iters 10 --warmup 3 --no-plot --quiet --out $OUT/step_time.json"

@@ -129,6 +129,26 @@ def test_hf_auto_plan_exact_and_cheaper_than_hf_plan(family, found):
     assert fxshard.comm_summary(sharded).count(kind="all_gather") < fxshard.comm_summary(hf).count(kind="all_gather")
 
 
+def test_never_worse_than_the_models_own_plan():
+    """A tiny GPT-NeoX at tp=2: auto_plan's own search (a vocab-parallel or gathered embedding, a gathered
+    LM head) sends more per step than HF's plan (embedding whole); the model's own plan is a candidate and
+    is kept, and what it leaves replicated says so."""
+    from fxshard.testing.hf_tiny import tiny_model
+
+    batch = _batch()
+    model = tiny_model("gpt_neox")
+    hf = _wire(fxshard.transform(model, Plan.from_hf(MESH, model), example_kwargs=batch))
+    plan = fxshard.auto_plan(model, MESH, example_kwargs=batch)
+    auto = _wire(fxshard.transform(model, plan, example_kwargs=batch))
+    assert auto <= hf, (auto, hf)
+    assert plan.specs == Plan.from_hf(MESH, model).specs
+    assert "the model's own plan (Plan.from_hf)" in repr(plan)
+    assert all("the model's own plan" in why for why in plan.left_whole.values()), plan.left_whole
+    # the options HF's plans do not answer leave the search alone (its plans gather the logits)
+    lp = fxshard.auto_plan(model, MESH, example_kwargs=batch, loss_parallel=True)
+    assert "the model's own plan" not in repr(lp)
+
+
 def test_hf_auto_plan_on_the_meta_device():
     """auto_plan reads shapes only: a model too big for the host is planned on the meta device."""
     with torch.device("meta"):

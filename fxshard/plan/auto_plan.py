@@ -187,10 +187,13 @@ def auto_plan(model: nn.Module, mesh, example_inputs: Sequence[Any] = (), exampl
         projections, embeddings, modules = _find(probe, model)
         groups, stream = _groups(projections, embeddings, modules, model, axis, n, loss_parallel, vocab, sequence_parallel)
         marked = {fqn for g in groups + ([stream] if stream else []) for _, v in g.variants for fqn in v}
+        own = _own_plan(model, mesh, axis, sequence_parallel, loss_parallel, vocab)
+        marked |= {fqn for fqn, _ in model.named_modules() if own is not None and own.match(fqn)}
         everything = Plan(MeshSpec(tuple(axes), tuple(axes.values())), {f: ModuleSpec(out_src={}) for f in sorted(marked)})
         captured = trace(model, everything, example_inputs, example_kwargs)
         plan, refused = _choose(captured, mesh, axes, groups, stream)
-    plan.left_whole = _left_whole(plan, projections, embeddings, modules, groups, refused, vocab)
+        plan, refused = _prefer_own_plan(plan, own, refused, groups, captured, axes)
+    plan.left_whole = _own_plan_left_whole(plan, _left_whole(plan, projections, embeddings, modules, groups, refused, vocab))
     if not plan.specs:
         raise PlanError(_nothing_sharded(axis, plan.left_whole))
     return plan
@@ -609,6 +612,87 @@ def _choose(captured: fx.GraphModule, mesh, axes, groups: list[_Group], stream: 
     plan.considered = considered
     refused = {i: errors.get(f"{g.what}: {g.variants[0][0]}") for i, g in enumerate(groups) if i not in picked}
     return plan, refused
+
+
+# ----------------------------------------------------------------------------- the model's own plan
+
+
+def _own_plan(model: nn.Module, mesh, axis: str, sequence_parallel: bool, loss_parallel: bool, vocab: bool) -> Plan | None:
+    """The tensor-parallel plan the model ships (``Plan.from_hf``: HF's ``base_model_tp_plan``),
+    when it has one and it answers the same question as auto_plan: only ``axis`` planned, no
+    plan inputs, and auto_plan's options its defaults (HF's plans gather the logits, shard
+    the LM head and keep the residual stream replicated); else None."""
+    if sequence_parallel or loss_parallel or not vocab or getattr(model, "config", None) is None:
+        return None
+    try:
+        own = Plan.from_hf(mesh, model, axis=axis)
+    except PlanError:
+        return None
+    if not own.specs or own.inputs or any(set(_spec_axes(spec)) - {axis} for spec in own.specs.values()):
+        return None
+    return own
+
+
+def _spec_axes(spec: ModuleSpec) -> set:
+    """The mesh axes a spec's layouts name."""
+    layouts = list(spec.params.values()) + [spec.inputs, spec.in_src, spec.out_src, spec.out_dst]
+    out: set = set()
+    while layouts:
+        layout = layouts.pop()
+        if isinstance(layout, dict):
+            for key, value in layout.items():
+                if isinstance(value, (dict, tuple, list)):
+                    layouts.append(value)
+                elif isinstance(key, str) and not isinstance(value, (str, type(None))):
+                    out.add(key)
+        elif isinstance(layout, (tuple, list)):
+            layouts.extend(layout)
+    return out
+
+
+def _prefer_own_plan(plan: "AutoPlan", own: Plan | None, refused: dict, groups: list, captured: fx.GraphModule,
+                     axes) -> tuple["AutoPlan", dict]:
+    """auto_plan is never worse than the model's own plan: both are transformed on the
+    captured graph and the model's own is kept when it sends no more bytes per training
+    step (:func:`fxshard.comm_summary`), or when auto_plan's does not transform."""
+    if own is None:
+        return plan, refused
+    from fxshard.debug.comm_summary import comm_summary
+    from fxshard.runtime import collectives
+    from fxshard.transform import transform
+
+    spec_mesh = MeshSpec(tuple(axes), tuple(axes.values()))
+
+    def wire(specs) -> tuple[int | None, str]:
+        try:
+            gm = transform(captured, Plan(spec_mesh, specs))
+        except PlanError as e:
+            return None, f"refused ({str(e).splitlines()[0][:120]})"
+        rows = comm_summary(gm).select()
+        total = sum(r.wire_bytes for r in rows)
+        return total, f"{total} B on the wire per rank, {len(rows)} collectives"
+
+    with collectives.binding_kept():
+        found, found_line = wire(plan.specs) if plan.specs else (None, "shards nothing")
+        mine, mine_line = wire(own.specs)
+    plan.considered = list(getattr(plan, "considered", [])) + [f"auto_plan's whole plan: {found_line}",
+                                                               f"the model's own plan (Plan.from_hf): {mine_line}"]
+    if mine is None or (found is not None and found < mine):
+        return plan, refused
+    chosen = AutoPlan(plan.mesh, dict(own.specs))
+    than = f"{found} B" if found is not None else "auto_plan's, which does not transform"
+    chosen.why = {p: f"the model's own plan (Plan.from_hf): {mine} B per step, no more than {than}" for p in own.specs}
+    chosen.considered = plan.considered
+    kept = {i: e for i, e in refused.items()
+            if not any(own.match(fqn) for fqn in (groups[i].variants[0][1] if groups[i].variants else ()))}
+    return chosen, kept
+
+
+def _own_plan_left_whole(plan: "AutoPlan", left: dict[str, str]) -> dict[str, str]:
+    """With the model's own plan kept, what it leaves replicated is left by it."""
+    if not any(w.startswith("the model's own plan") for w in getattr(plan, "why", {}).values()):
+        return left
+    return {p: f"the model's own plan (Plan.from_hf) keeps it replicated (auto_plan alone: {w})" for p, w in left.items()}
 
 
 # ----------------------------------------------------------------------------- what is left whole

@@ -9,7 +9,9 @@ The same checkpoint, the same text and batches, AdamW and clipping at one rank:
 
 Both are timed per step (the data read included), the first ``--warmup`` steps left out; the
 median of the rest is taken per run, the best of ``--repeats`` alternated runs is kept for each
-loop, and printed with the ratio trainer / plain and, on a GPU, the MFU.
+loop, and printed with the ratio trainer / plain and, on a GPU, the MFU. A third row runs the
+trainer's step and the plain step in one process, one of each in turn: what the trainer adds
+per step, apart from the load of a shared machine drifting between runs.
 
     python benchmarks/trainer.py                                        # CPU, a small Llama
     python benchmarks/trainer.py --device cuda --hidden 1024 --layers 8 --seq 1024 --batch 8 --bf16
@@ -93,6 +95,50 @@ def plain_loop(args, ckpt: str, cache: str) -> list[float]:
     return times
 
 
+def interleaved(args, ckpt: str, cache: str) -> tuple[list[float], list[float]]:
+    """Seconds per step of the trainer's own step (``fxshard.trainer.loop.Run.train_step``) and of
+    the plain loop on an identical copy of its model, in one process, one step of each in turn
+    (which goes first alternates): the per-step overhead, apart from the load drifting between runs."""
+    import copy
+
+    from fxshard.trainer.arguments import add_train_arguments
+    from fxshard.trainer.loop import Run
+
+    flags = ["--model", ckpt, "--data", str(TEXT), "--steps", str(10 * args.steps), "--batch", str(args.batch),
+             "--seq", str(args.seq), "--data-cache", cache, "--device", args.device, "--lr", "3e-3", "--clip", "1.0"]
+    run = Run(add_train_arguments(argparse.ArgumentParser()).parse_args(flags + (["--bf16"] if args.bf16 else [])))
+    run.setup()
+    device = torch.device(args.device)
+    model = copy.deepcopy(run.module)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+    def plain_step():
+        ids, labels = (t.to(device) for t in run.batches.next_batch())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(input_ids=ids).logits
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    plain, trainer = [], []
+    for i in range(args.steps):
+        first, second = (plain_step, run.train_step) if i % 2 else (run.train_step, plain_step)
+        a, b = timed(first), timed(second)
+        plain.append(a if first is plain_step else b)
+        trainer.append(b if first is plain_step else a)
+    return plain, trainer
+
+
 def trainer_run(args, ckpt: str, cache: str, logs: str) -> list[dict]:
     """``python -m fxshard train`` on one process; its metrics records."""
     cmd = [sys.executable, "-m", "fxshard", "train", "--model", ckpt, "--data", str(TEXT), "--steps", str(args.steps),
@@ -117,14 +163,20 @@ def main(argv=None) -> None:
             plain_runs.append(tokens / statistics.median(plain_loop(args, ckpt, cache)[args.warmup:]))
             records = trainer_run(args, ckpt, cache, os.path.join(root, f"logs{k}"))[args.warmup:]
             trainer_runs.append((statistics.median(r["tokens_per_s"] for r in records), records))
+        plain_steps, trainer_steps = interleaved(args, ckpt, cache)
     plain_tps = max(plain_runs)
     trainer_tps, records = max(trainer_runs, key=lambda run: run[0])
+    plain_s, trainer_s = statistics.median(plain_steps[args.warmup:]), statistics.median(trainer_steps[args.warmup:])
     print(f"tokens/s per run: plain {[round(x) for x in plain_runs]}, trainer {[round(x) for x, _ in trainer_runs]}")
+    print(f"in one process, a step of each in turn: plain {plain_s * 1e3:.1f} ms, trainer {trainer_s * 1e3:.1f} ms per step "
+          f"(trainer / plain throughput {plain_s / trainer_s:.3f})")
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     rows = [{"loop": "plain HF + AdamW", "tokens_per_s": plain_tps, "ratio": 1.0},
             {"loop": "python -m fxshard train", "tokens_per_s": trainer_tps, "ratio": trainer_tps / plain_tps,
              "tflops": statistics.median(r["tflops"] for r in records),
-             "mfu": statistics.median(mfu) if mfu else None}]
+             "mfu": statistics.median(mfu) if mfu else None},
+            {"loop": "trainer step, interleaved in one process", "tokens_per_s": tokens / trainer_s,
+             "ratio": plain_s / trainer_s}]
     print(f"{args.model} hidden {args.hidden} x {args.layers} layers, batch {args.batch} x {args.seq} tokens, "
           f"{args.device}{', bf16' if args.bf16 else ''}{', compile ' + args.compile if args.compile else ''}; "
           f"median of steps {args.warmup + 1}-{args.steps}; {describe_machine()}")

@@ -164,6 +164,7 @@ def parallelize(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh,
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            log("startup: bf16 by FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
         fxshard.fully_shard(module, mesh["dp"] if spec is not None else mesh, **fsdp_kwargs)
     if opts.compile:
         t0 = time.perf_counter()

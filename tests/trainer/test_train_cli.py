@@ -77,6 +77,7 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {"llama": make_hf_checkpoint(root / "llama", "llama", text_files=[TEXT], num_hidden_layers=4),
+            "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", text_files=[TEXT]),
             "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", text_files=[TEXT])}
 
 
@@ -96,6 +97,8 @@ def one_process(checkpoints, cache, tmp_path_factory):
     """One process per model: the losses, eval losses, checksum and export every mesh is held to."""
     out = {}
     for name, ckpt in checkpoints.items():
+        if name == "qwen3":  # only in the bf16 test
+            continue
         logs, export = tmp_path_factory.mktemp(f"one_{name}"), tmp_path_factory.mktemp(f"export_{name}")
         stdout = _run(1, _common(ckpt, cache) + ["--log-dir", str(logs), "--export-hf", str(export)])
         out[name] = (*_records(logs), _checksum(stdout), str(export))
@@ -146,6 +149,20 @@ def _same_logits(a: str, b: str) -> None:
         la = AutoModelForCausalLM.from_pretrained(a).eval()(input_ids=ids).logits
         lb = AutoModelForCausalLM.from_pretrained(b).eval()(input_ids=ids).logits
     torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_bf16_fsdp_param_dtype(model, checkpoints, cache, tmp_path):
+    """--bf16 at dp=2,tp=2 is FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on the
+    HF program; within bf16 tolerance of one process under bf16 autocast."""
+    args = _common(checkpoints[model], cache) + ["--bf16", "--eval-every", "0", "--steps", "4"]
+    _run(1, args + ["--log-dir", str(tmp_path / "one")])
+    out = _run(4, args + ["--mesh", "dp=2,tp=2", "--log-dir", str(tmp_path / "mesh")])
+    assert "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)" in out
+    want, _ = _records(tmp_path / "one")
+    got, _ = _records(tmp_path / "mesh")
+    for step, rec in want.items():
+        assert abs(got[step]["loss"] - rec["loss"]) <= 3e-2 * rec["loss"], (model, step, got[step]["loss"], rec["loss"])
 
 
 def test_killed_rank_resumes_with_its_data_position(checkpoints, cache, tmp_path):

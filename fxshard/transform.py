@@ -32,6 +32,7 @@ from fxshard.frontend.static_sizes import guard_static_input_sizes
 from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
 from fxshard.meta import KEY, PassContext
 from fxshard.plan.plan import Plan
+from fxshard.training.batch import guard_equal_pieces
 from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
 from fxshard.state.module_state import add_missing_state, graph_attribute_tensors, named_state
 from fxshard.passes.outline_regions import outline_regions
@@ -182,6 +183,7 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
                                     shapes_recorded=isinstance(gm_or_module, nn.Module) and not isinstance(gm_or_module, fx.GraphModule))
         run_pipeline(gm, ctx, stop_after=stop_after, timings=timings)
     if stop_after is None:
+        guard_equal_pieces(gm)  # first: the ranks agree on their pieces before a rank-local size check
         guard_static_input_sizes(gm)
     if checkpoint and stop_after is None:
         checkpoint_blocks(gm)

@@ -57,3 +57,15 @@ __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket",
     "local_sizes", "local_span",  # this rank's part sizes of an uneven fused projection
 ]
+
+# fxshard.plan_parallelism (fxshard/planner, docs/planning.md) builds the trainer's plans, and the
+# trainer imports fxshard: the planner is loaded on first use
+__all__ += ["plan_parallelism"]
+
+
+def __getattr__(name: str):
+    if name == "plan_parallelism":
+        import importlib
+
+        return importlib.import_module("fxshard.planner").plan_parallelism
+    raise AttributeError(f"module 'fxshard' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+"""The constants of the planner's roofline: what a device computes, moves and sends per second.
+
+A :class:`Calibration` holds the achieved dense matmul throughput, the memory bandwidth, a
+cost per kernel, and per link class (``intra``: within a node, ``inter``: between nodes) the
+bus bandwidth and the latency of one collective call.  Each says where its numbers come from
+(:attr:`Calibration.source`).
+
+- **Shipped** (:data:`PRESETS`): H100 SXM, H200 SXM and A100 SXM 80 GB from their data sheets
+  (dense bf16 tensor-core peak, HBM bandwidth, NVLink per direction, one 400/200 Gb/s NIC per
+  GPU), times the efficiency a well-tuned run reaches (matmul 0.7, memory 0.8, links 0.8:
+  the usual fractions of nccl-tests' bus bandwidth and of cuBLAS on large GEMMs); ``cpu``:
+  one process of this project's 2-core machine, measured once, gloo over loopback.
+- **Measured** (:func:`calibrate`, ``python -m fxshard plan --calibrate out.json``): a few
+  matmuls, a copy, a stream of tiny kernels on this device, and, where a process group
+  exists (under ``torchrun``), all-reduces of 4 KiB (latency) and 64 MiB (bandwidth) over
+  the world; those go to the link class the world spans.
+
+Example::
+
+    cal = Calibration.named("h100")           # or Calibration.load("out.json"), or calibrate()
+    cal.link("inter").gbps                    # 40.0
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fxshard.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Link:
+    gbps: float  # bus bandwidth, GB/s (nccl-tests' busbw: the ring's bytes per second per rank)
+    latency_us: float  # one collective call
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Roofline constants of one device and its links (see the module docstring)."""
+
+    name: str
+    matmul_tflops: float  # achieved, in the dtype planned (bf16 on GPUs, fp32 on a CPU)
+    memory_gbps: float
+    kernel_us: float  # fixed cost per kernel (launch, dispatch)
+    links: dict[str, Link] = field(default_factory=dict)
+    gpus_per_node: int = 8
+    memory_gib: float | None = None  # the device's memory (data sheet)
+    dtype: str = "bf16"  # the dtype the throughput is for, and the planner's default
+    source: str = ""
+
+    @classmethod
+    def named(cls, name: str) -> "Calibration":
+        """A shipped preset (``h100``, ``h200``, ``a100``, ``cpu``) or a JSON file written by
+        :meth:`save` / ``--calibrate``."""
+        key = name.lower().replace("-", "").replace(" ", "")
+        if key in PRESETS:
+            return PRESETS[key]
+        if name.endswith(".json"):
+            return cls.load(name)
+        raise PlanError(f"device {name!r}: no calibration of that name\n  fix: one of {sorted(PRESETS)}, the path of a "
+                        f"JSON file from `python -m fxshard plan --calibrate out.json`, or a Calibration")
+
+    @classmethod
+    def load(cls, path: str) -> "Calibration":
+        with open(path) as fh:
+            data = json.load(fh)
+        data["links"] = {k: Link(**v) for k, v in data.get("links", {}).items()}
+        return cls(**data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(dataclasses.asdict(self), fh, indent=1)
+
+    def link(self, kind: str) -> Link:
+        return self.links.get(kind) or self.links.get("intra") or Link(1.0, 100.0)
+
+    def describe(self) -> str:
+        links = ", ".join(f"{k} {v.gbps:g} GB/s + {v.latency_us:g} us" for k, v in self.links.items())
+        return (f"{self.name}: matmul {self.matmul_tflops:g} TFLOP/s ({self.dtype}), memory {self.memory_gbps:g} GB/s, "
+                f"{self.kernel_us:g} us per kernel, links {links}; {self.source}")
+
+
+def _gpu(name, tflops, hbm_tbps, nvlink_gbps, nic_gbps, memory_gib) -> Calibration:
+    return Calibration(name, matmul_tflops=0.7 * tflops, memory_gbps=0.8 * hbm_tbps * 1000, kernel_us=6.0,
+                       links={"intra": Link(0.8 * nvlink_gbps, 10.0), "inter": Link(0.8 * nic_gbps, 25.0)},
+                       gpus_per_node=8, memory_gib=memory_gib, dtype="bf16",
+                       source=f"data sheet x efficiency (matmul 0.7 of {tflops:g} TFLOP/s dense bf16, memory 0.8 of "
+                              f"{hbm_tbps:g} TB/s, links 0.8 of NVLink {nvlink_gbps:g} GB/s per direction and "
+                              f"{nic_gbps:g} GB/s per GPU between nodes)")
+
+
+PRESETS: dict[str, Calibration] = {
+    "h100": _gpu("H100 SXM", 989.0, 3.35, 450.0, 50.0, 80.0),
+    "h200": _gpu("H200 SXM", 989.0, 4.8, 450.0, 50.0, 141.0),
+    "a100": _gpu("A100 SXM 80GB", 312.0, 2.04, 300.0, 25.0, 80.0),
+    # one process alone on this project's 2-core machine (python -m fxshard plan --calibrate), gloo on loopback
+    "cpu": Calibration("cpu", matmul_tflops=0.05, memory_gbps=5.0, kernel_us=8.0,
+                       links={"intra": Link(1.0, 150.0), "inter": Link(1.0, 150.0)}, gpus_per_node=1 << 20,
+                       memory_gib=None, dtype="fp32", source="measured on the project's 2-core CPU, gloo over loopback"),
+}
+
+
+def default_calibration(device: str | None = None) -> Calibration:
+    """``device`` by name, else this machine's GPU if it is a known one, else ``cpu``."""
+    if device is not None:
+        return Calibration.named(device)
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100"):
+            if key in gpu:
+                return PRESETS[key]
+    return PRESETS["cpu"]
+
+
+def calibrate(device: str | None = None, *, repeats: int = 5) -> Calibration:
+    """Measure this device (and the world's links, when a process group exists).  Every rank
+    of a process group must call it (the collectives are the world's)."""
+    import torch.distributed as dist
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    n = 8192 if on_gpu else 1024
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    matmul = _best(lambda: a @ b, dev, repeats)
+    big = torch.empty(64 << 20 if on_gpu else 16 << 20, dtype=torch.uint8, device=dev)
+    copy = _best(lambda: big.clone(), dev, repeats)
+    tiny = torch.zeros(8, device=dev)
+    kernel = _best(lambda: [tiny.add_(1) for _ in range(100)], dev, repeats) / 100
+    base = default_calibration()
+    links, where = dict(base.links), f"measured on {torch.cuda.get_device_name() if on_gpu else 'this CPU'}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        small = torch.zeros(1024, device=dev)
+        large = torch.zeros(16 << 20, device=dev)  # 64 MiB of fp32
+        lat = _best(lambda: dist.all_reduce(small), dev, repeats)
+        t = _best(lambda: dist.all_reduce(large), dev, repeats)
+        bus = 2 * (world - 1) / world * large.numel() * 4 / max(t - lat, 1e-9) / 1e9
+        kind = "intra" if world <= base.gpus_per_node else "inter"
+        links[kind] = Link(round(bus, 3), round(lat * 1e6, 1))
+        where += f", {kind} link by all-reduces over {world} ranks ({dist.get_backend()})"
+    else:
+        where += f", links from the {base.name} preset (no process group)"
+    return dataclasses.replace(base, name=f"measured ({dev.type})", matmul_tflops=round(2 * n ** 3 / matmul / 1e12, 4),
+                               memory_gbps=round(2 * big.numel() / copy / 1e9, 2), kernel_us=round(kernel * 1e6, 2),
+                               links=links, dtype="bf16" if on_gpu else "fp32", source=where)
+
+
+def _best(fn, dev: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (after one warm-up), in seconds."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best

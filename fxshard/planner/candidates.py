@@ -1,0 +1,152 @@
+"""The meshes worth evaluating, and the divisibility that rules others out before any work.
+
+A :class:`Candidate` is a mesh over the trainer's five axes (``dp``, ``tp``, ``pp``, ``cp``,
+``ep``: ``python -m fxshard train --mesh``), the pipeline's micro-batches and schedule, and
+whether blocks recompute their activations.  :func:`enumerate_candidates` lists every way to
+factor the world size, pruned by what the model and the batch allow:
+
+- ``tp`` divides the attention heads and stays within a node (``gpus_per_node``): across
+  nodes its per-layer all-reduces would run at the network's speed;
+- ``cp`` is tried only when the sequence is long (``long_seq``, default 16384 tokens) and
+  must divide it (twice over when load-balanced, i.e. without pp);
+- ``ep`` only for a mixture of experts, dividing the experts;
+- ``pp`` at most the number of blocks; micro-batches ``M`` in ``pp, 2 pp, 4 pp`` dividing each
+  data-parallel rank's rows; schedules ``1F1B`` and ``Interleaved1F1B`` (2 stages per rank,
+  ``M`` a multiple of pp);
+- ``dp`` divides the global batch.
+
+Each candidate is tried with and without activation checkpointing.  A candidate the user
+names that breaks a rule is kept, with the rule as its reason.
+
+Example::
+
+    for cand, why in enumerate_candidates(64, planned, seq=8192, global_batch=512, n_blocks=32):
+        print(cand.mesh_spec, why)        # "dp=8,tp=8" None
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fxshard.planner.facts import SubPlan
+
+AXES = ("dp", "tp", "pp", "cp", "ep")
+TRAINER_ORDER = ("pp", "dp", "cp", "ep", "tp")  # fxshard.trainer.parallel_dims.AXES: the mesh's dim order
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the trainer: mesh, micro-batches, schedule, recomputation."""
+
+    mesh: dict = field(hash=False, compare=False)
+    microbatches: int = 1
+    schedule: str | None = None
+    virtual: int = 1
+    activation_checkpointing: bool = False
+    key: tuple = ()
+
+    @classmethod
+    def make(cls, mesh: dict, microbatches: int = 1, schedule: str | None = None, virtual: int = 1,
+             activation_checkpointing: bool = False) -> "Candidate":
+        full = {a: int(mesh.get(a, 1)) for a in AXES}
+        key = (tuple(full.values()), microbatches, schedule, virtual, activation_checkpointing)
+        return cls(full, microbatches, schedule, virtual, activation_checkpointing, key)
+
+    @property
+    def subplan(self) -> SubPlan:
+        m = self.mesh
+        return SubPlan(tp=m["tp"], cp=m["cp"], ep=m["ep"], cp_gathered=m["cp"] > 1 and m["pp"] > 1)
+
+    @property
+    def mesh_spec(self) -> str:
+        """The trainer's ``--mesh`` (``"dp=2,tp=2"``; ``""`` for one process)."""
+        return ",".join(f"{a}={self.mesh[a]}" for a in TRAINER_ORDER if self.mesh[a] > 1)
+
+    def trainer_flags(self) -> str:
+        """The flags of ``python -m fxshard train`` that run this candidate."""
+        flags = [f"--mesh {self.mesh_spec}"] if self.mesh_spec else []
+        if self.mesh["pp"] > 1:
+            flags += [f"--microbatches {self.microbatches}", f"--schedule {self.schedule}"]
+            if self.virtual > 1:
+                flags.append(f"--virtual-stages {self.virtual}")
+        if self.activation_checkpointing:
+            flags.append("--activation-checkpointing")
+        return " ".join(flags)
+
+
+def divisibility(c: Candidate, world: int, *, seq: int, global_batch: int, n_blocks: int, heads: int | None,
+                 experts: int | None) -> str | None:
+    """Why ``c`` cannot run (the first rule it breaks), or ``None``."""
+    m = c.mesh
+    product = m["dp"] * m["tp"] * m["pp"] * m["cp"] * m["ep"]
+    if product != world:
+        return f"the mesh has {product} ranks, not {world}"
+    if global_batch % m["dp"]:
+        return f"dp={m['dp']} does not divide the global batch of {global_batch} rows"
+    rows = global_batch // m["dp"]
+    if rows % c.microbatches:
+        return f"{c.microbatches} micro-batches do not divide each dp rank's {rows} rows"
+    if heads is not None and (m["tp"] > heads or heads % m["tp"]):
+        return f"tp={m['tp']} does not divide the {heads} attention heads"
+    pieces = m["cp"] * (2 if m["pp"] == 1 and m["cp"] > 1 else 1)  # load-balanced: two pieces per rank
+    if seq % pieces:
+        return f"cp={m['cp']} does not divide the sequence of {seq} tokens into {pieces} pieces"
+    if m["ep"] > 1 and not experts:
+        return f"ep={m['ep']}: the model has no routed experts"
+    if m["ep"] > 1 and experts % m["ep"]:
+        return f"ep={m['ep']} does not divide the {experts} experts"
+    if m["pp"] * c.virtual > n_blocks:
+        return f"pp={m['pp']} x {c.virtual} stages per rank is more than the {n_blocks} blocks"
+    if m["pp"] > 1 and c.virtual > 1 and c.microbatches % m["pp"]:
+        return f"{c.schedule} needs micro-batches a multiple of pp={m['pp']}"
+    return None
+
+
+def enumerate_candidates(world: int, *, seq: int, global_batch: int, n_blocks: int, heads: int | None,
+                         experts: int | None, gpus_per_node: int, long_seq: int = 16384,
+                         schedules=("1F1B", "Interleaved1F1B"), checkpointing=(False, True)) -> list[Candidate]:
+    """Every candidate the rules of the module docstring allow (the rules are checked again,
+    with reasons, by :func:`divisibility`)."""
+    out = []
+    for tp in _divisors(world):
+        if tp > gpus_per_node or (heads is not None and heads % tp):
+            continue
+        for cp in _divisors(world // tp):
+            if cp > 1 and seq < long_seq:
+                continue
+            for ep in _divisors(world // (tp * cp)):
+                if ep > 1 and (not experts or experts % ep):
+                    continue
+                for pp in _divisors(world // (tp * cp * ep)):
+                    dp = world // (tp * cp * ep * pp)
+                    if pp > n_blocks or global_batch % dp:
+                        continue
+                    mesh = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+                    for ac in checkpointing:
+                        if pp == 1:
+                            out.append(Candidate.make(mesh, activation_checkpointing=ac))
+                            continue
+                        for m in (pp, 2 * pp, 4 * pp):
+                            for schedule in schedules:
+                                virtual = 2 if schedule.startswith("Interleaved") else 1
+                                out.append(Candidate.make(mesh, m, schedule, virtual, ac))
+    return out
+
+
+def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candidate:
+    """A user's candidate: ``{"tp": 2}`` (dp takes the remaining ranks), optionally with
+    ``microbatches``, ``schedule``, ``virtual``, ``activation_checkpointing``."""
+    mesh = {a: int(spec[a]) for a in AXES if a in spec}
+    if "dp" not in mesh:
+        rest = 1
+        for n in mesh.values():
+            rest *= n
+        mesh["dp"] = max(1, world // rest)
+    pp = mesh.get("pp", 1)
+    schedule = spec.get("schedule", "1F1B" if pp > 1 else None)
+    virtual = int(spec.get("virtual", 2 if schedule and schedule.startswith("Interleaved") else 1))
+    microbatches = int(spec.get("microbatches", default_microbatches or (2 * pp if pp > 1 else 1)))
+    return Candidate.make(mesh, microbatches if pp > 1 else 1, schedule, virtual, bool(spec.get("activation_checkpointing", False)))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,330 @@
+"""A candidate's memory, communication and step time, by arithmetic on its sub-plan's facts.
+
+Per pipeline rank (all ranks are alike without pp):
+
+- **which blocks**: pp cuts the stack where ``fxshard.pipeline_transform`` cuts it: the same
+  cost shares (FLOPs, parameter bytes, activation bytes of each unit, from the program's
+  recorded shapes at one micro-batch) and the same balance;
+- **memory**: parameters are the program's local shapes, divided by FSDP2 over dp the way it
+  divides them (dim 0 padded to a multiple of dp); gradients as many bytes (fp32); AdamW two
+  states of the same size.  Activations: what each block keeps for the backward at this
+  micro-batch's rows, times the micro-batches in flight (1F1B: ``pp - rank``; GPipe: all;
+  interleaved: torch's warm-up); with activation checkpointing each block keeps its inputs
+  and one block's recompute is alive.  ``transient``: under FSDP2, two blocks gathered
+  (the current one and the prefetched) with one block's unsharded gradients, and the root's
+  parameters, which FSDP2 keeps gathered from the forward to the backward;
+- **communication** per step and axis, counted as ``fxshard.comm_summary`` counts (a call's
+  larger buffer, sends and receives both): the program's collectives times the micro-batches
+  (activations scaled to the micro-batch's rows), pp's sends and receives of what crosses each
+  cut, the step's loss broadcast and tied-gradient sums, and FSDP2's all-gathers (forward,
+  and again in the backward for blocks) and reduce-scatters;
+- **time**: a roofline per micro-batch (matmul FLOPs at the calibrated rate, the bytes of every
+  other kernel at the memory bandwidth, a fixed cost per kernel; backward twice the forward,
+  plus one forward of every block under checkpointing), each collective's latency plus its
+  ring bytes over its link (within a node or not, from where the axis's ranks sit), the
+  pipeline's ``(M + pp - 1)`` slots of the slowest rank (interleaved: ``M + (pp - 1) / v``),
+  FSDP2's transfers where they outlast the compute they overlap, and AdamW's pass over the
+  rank's state.
+
+Example::
+
+    est = estimate(candidate, facts, global_batch=512, seq=8192, cal=Calibration.named("h100"))
+    est.memory["total"], est.comm_bytes, est.step_time_s
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fxshard.pipelining.spec import pipeline
+from fxshard.planner.calibration import Calibration
+from fxshard.planner.candidates import TRAINER_ORDER, Candidate
+from fxshard.planner.facts import ROWS, ProgramFacts, UnitFacts
+from fxshard.planner.offline import AFTER, BEFORE
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "total")
+
+
+@dataclass
+class RankEstimate:
+    """One pipeline rank's share (the only one without pp)."""
+
+    pp_rank: int
+    stages: list[int]
+    blocks: list[int]
+    memory: dict[str, float]
+    comm: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)  # per micro-batch: compute, comm; per step: fsdp, optimizer
+
+
+@dataclass
+class Estimate:
+    ranks: list[RankEstimate]
+    step_time_s: float
+
+    @property
+    def memory(self) -> dict[str, float]:
+        """The fullest rank's memory."""
+        return max(self.ranks, key=lambda r: r.memory["total"]).memory
+
+    @property
+    def comm_bytes(self) -> dict[str, float]:
+        """Per axis, the most any rank moves in a step."""
+        axes = {a for r in self.ranks for a in r.comm}
+        return {a: max(r.comm.get(a, 0.0) for r in self.ranks) for a in TRAINER_ORDER if a in axes}
+
+
+def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, cal: Calibration,
+             bf16: bool = False) -> Estimate:
+    m = c.mesh
+    dp, pp, v, M = m["dp"], m["pp"], c.virtual, c.microbatches
+    n = facts.n_blocks
+    rows = global_batch / (dp * M)  # one micro-batch on one rank
+    spec = _spec(c)
+    stage_of_block = _stages(facts, c, global_batch) if pp > 1 else [0] * n
+    num_stages = pp * v if pp > 1 else 1
+    stage_blocks = [[i for i in range(n) if stage_of_block[i] == s] for s in range(num_stages)]
+    act_scale = 0.5 if bf16 else 1.0
+    ranks = []
+    for r in range(pp):
+        stages = spec.stages_of_rank(r, pp) if pp > 1 else [0]
+        blocks = [i for s in stages for i in stage_blocks[s]]
+        first, last = 0 in stages, num_stages - 1 in stages
+        units = [facts.block(i) for i in blocks] + ([facts.before] if first else []) + ([facts.after] if last else [])
+        params = sum(_fsdp_bytes(u.params, dp) for u in units)
+        if last and not first:  # a tied embedding and head: the last stage holds a copy
+            params += _fsdp_bytes([p for p in facts.before.params if p[0] in facts.tied], dp)
+        act = sum(_stage_activations(facts, stage_blocks, s, num_stages, rows, c.activation_checkpointing) for s in stages)
+        act *= _in_flight(c, r) / len(stages)
+        memory = {"params": params, "grads": params, "optimizer": 2 * params, "activations": act,
+                  "transient": _fsdp_transient(facts, blocks, first, last, dp, bf16)}
+        memory["total"] = sum(memory.values())
+        comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal)
+        p2p, p2p_s = _p2p(facts, stage_blocks, stages, spec, c, r, rows, act_scale, m, cal)
+        for a, b in p2p.items():
+            comm[a] = comm.get(a, 0.0) + b
+        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, dp, M, pp, bf16, m, cal)
+        if fsdp_bytes:
+            comm["dp"] = comm.get("dp", 0.0) + fsdp_bytes
+        fwd = sum(_forward_seconds(u, rows, cal) for u in units)
+        recompute = sum(_forward_seconds(facts.block(i), rows, cal) for i in blocks) if c.activation_checkpointing else 0.0
+        ranks.append(RankEstimate(r, stages, blocks, memory, comm, {
+            "compute": 3 * fwd + recompute, "comm": comm_s + p2p_s, "fsdp": fsdp_s, "fsdp_exposed": first_gather_s,
+            "optimizer": 7 * params / (cal.memory_gbps * 1e9)}))
+    per_mb = max(rk.seconds["compute"] + rk.seconds["comm"] for rk in ranks)
+    slots = M + (pp - 1) / v if pp > 1 else 1
+    pipeline_s = slots * per_mb
+    compute_s = max(rk.seconds["compute"] for rk in ranks) * M
+    fsdp_s = max(max(0.0, rk.seconds["fsdp"] - compute_s) + rk.seconds["fsdp_exposed"] for rk in ranks)
+    step = pipeline_s + fsdp_s + max(rk.seconds["optimizer"] for rk in ranks)
+    return Estimate(ranks, step)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _spec(c: Candidate):
+    if c.mesh["pp"] == 1:
+        return None
+    return pipeline("pp", microbatches=c.microbatches, schedule=c.schedule, virtual=c.virtual)
+
+
+def _stages(facts: ProgramFacts, c: Candidate, global_batch: int) -> list[int]:
+    """The stage of each block, as ``pipeline_transform`` balances them: its example is one
+    micro-batch of global rows, and under FSDP2 (dp) it sees the blocks split out."""
+    costs = facts.balance["split" if c.mesh["dp"] > 1 else "flat"]
+    scale = global_batch / c.microbatches / ROWS
+
+    def unit(name):
+        flops, params, act = costs[name]
+        return flops * scale, params, act * scale
+
+    units = [unit(BEFORE)] + [unit(facts.captured[facts.planned.source_block(i, facts.captured)])
+                              for i in range(facts.n_blocks)] + [unit(AFTER)]
+    totals = [sum(u[k] for u in units) or 1 for k in range(3)]
+    share = [sum(u[k] / totals[k] for k in range(3)) / 3 for u in units]
+    return balance(share, c.mesh["pp"] * c.virtual)
+
+
+def balance(share: list[float], num_stages: int) -> list[int]:
+    """The stage of each block (``share``: before, blocks..., after) minimizing the largest
+    stage's share, contiguous, one block at least per stage: the dynamic program of
+    ``fxshard.pipelining.stages``, so the planner cuts where the pipeline will."""
+    blocks = share[1:-1]
+    n = len(blocks)
+    prefix = [0.0]
+    for x in blocks:
+        prefix.append(prefix[-1] + x)
+
+    def cost(i, j, s):
+        return prefix[j] - prefix[i] + (share[0] if s == 0 else 0) + (share[-1] if s == num_stages - 1 else 0)
+
+    best = {(0, 0): (0.0, None)}
+    for s in range(num_stages):
+        for i in range(n):
+            if (s, i) not in best:
+                continue
+            for j in range(i + 1, n - (num_stages - s - 1) + 1):
+                value = max(best[(s, i)][0], cost(i, j, s))
+                if (s + 1, j) not in best or value < best[(s + 1, j)][0] - 1e-12:
+                    best[(s + 1, j)] = (value, i)
+    stage_of_block, j = [0] * n, n
+    for s in range(num_stages, 0, -1):
+        i = best[(s, j)][1]
+        for b in range(i, j):
+            stage_of_block[b] = s - 1
+        j = i
+    return stage_of_block
+
+
+def _in_flight(c: Candidate, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak (in stage-sized units
+    summed over its stages)."""
+    pp, M, v = c.mesh["pp"], c.microbatches, c.virtual
+    if pp == 1:
+        return 1
+    if c.schedule == "GPipe":
+        return M * v
+    if v == 1:
+        return min(M, pp - pp_rank)
+    return min(M * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)  # torch's interleaved warm-up, in stage chunks
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _fsdp_bytes(params, dp: int) -> float:
+    """What FSDP2 keeps of each parameter on one rank: dim 0 padded to a multiple of dp, divided."""
+    total = 0
+    for _, shape, size in params:
+        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        d0 = shape[0] if shape else 1
+        total += -(-d0 // dp) * rest * size
+    return total
+
+
+def _stage_activations(facts: ProgramFacts, stage_blocks, s: int, num_stages: int, rows: float, checkpointing: bool) -> float:
+    """Bytes stage ``s`` keeps for one micro-batch.  A block's output is counted in the block
+    (its maker), so a stage that sends its last output on subtracts it, and a stage after the
+    first keeps what it receives (the hidden state, rotary tables: what the blocks keep of
+    what the part before them made)."""
+    blocks = stage_blocks[s]
+    if not blocks:
+        return 0.0
+    first_stage, last_stage = s == 0, s == num_stages - 1
+    edge = facts.before.saved.at(rows) if first_stage else facts.before.shared.at(rows)
+    if last_stage:
+        edge += facts.after.saved.at(rows)
+    if checkpointing:  # each block keeps its inputs; one block's recompute is alive at a time
+        kept = sum(_grad_inputs(facts.block(i), rows) for i in blocks[1:])
+        if last_stage:
+            kept += _grad_inputs(facts.block(blocks[-1]), rows)  # the last output, kept by the final norm
+        return edge + kept + max(facts.block(i).saved.at(rows) for i in blocks)
+    kept = sum(facts.block(i).saved.at(rows) for i in blocks)
+    if not last_stage:
+        kept -= _grad_inputs(facts.block(blocks[-1]), rows)  # its output is sent, not kept
+    return edge + kept
+
+
+def _grad_inputs(u: UnitFacts, rows: float) -> float:
+    """The bytes of a block's inputs that carry a gradient (the hidden state it takes)."""
+    return sum(b.at(rows) for b, grad in u.inputs if grad)
+
+
+def _fsdp_transient(facts: ProgramFacts, blocks: list[int], first: bool, last: bool, dp: int, bf16: bool) -> float:
+    if dp == 1 or not blocks:
+        return 0.0
+    gathered = 0.5 if bf16 else 1.0  # FSDP2 gathers the compute dtype (mixed precision)
+    block = max(facts.block(i).param_bytes for i in blocks)
+    root = (facts.before.param_bytes if first else 0) + (facts.after.param_bytes if last else 0)
+    return (2 * block + root) * gathered + block
+
+
+# ----------------------------------------------------------------------------- communication and time
+
+
+def _link(axis: str, mesh: dict, cal: Calibration):
+    """The link an axis's collectives use: within a node when its ranks (consecutive at the
+    stride of the axes after it in the mesh's order) all fit in one node."""
+    stride = 1
+    for a in reversed(TRAINER_ORDER):
+        if a == axis:
+            break
+        stride *= mesh.get(a, 1)
+    return cal.link("intra" if stride * mesh.get(axis, 1) <= cal.gpus_per_node else "inter")
+
+
+def _collective_seconds(kind: str, nbytes: float, n: int, link) -> float:
+    if n <= 1:
+        return 0.0
+    ring = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind in ("all_gather", "reduce_scatter", "all_to_all") else 1.0
+    return link.latency_us * 1e-6 + ring * nbytes / (link.gbps * 1e9)
+
+
+def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration):
+    """Bytes per axis in a step, and seconds per micro-batch, of the program's own collectives."""
+    bytes_, seconds = {}, 0.0
+    for u in units:
+        for f in u.comm:
+            b = f.bytes * f.scale(rows) * (0.5 if bf16 and f.floating else 1.0)
+            bytes_[f.axis] = bytes_.get(f.axis, 0.0) + b * M
+            seconds += _collective_seconds(f.kind, b, f.axis_size, _link(f.axis, mesh, cal))
+    return bytes_, seconds
+
+
+def _p2p(facts, stage_blocks, stages, spec, c: Candidate, r: int, rows: float, act_scale: float, mesh, cal):
+    """pp's sends and receives on this rank (per step), and their seconds per micro-batch."""
+    if spec is None:
+        return {}, 0.0
+    pp, M = mesh["pp"], c.microbatches
+    num_stages = pp * c.virtual
+    per_mb, seconds = 0.0, 0.0
+    link = _link("pp", mesh, cal)
+    for s in stages:
+        if s > 0 and spec.rank_of_stage(s - 1, pp) != r:  # receive from the previous stage, send its gradients back
+            inputs = facts.block(stage_blocks[s][0]).inputs
+            per_mb += sum(b.at(rows) for b, _ in inputs) * act_scale + sum(b.at(rows) for b, g in inputs if g) * act_scale
+        if s < num_stages - 1 and spec.rank_of_stage(s + 1, pp) != r:
+            inputs = facts.block(stage_blocks[s + 1][0]).inputs
+            sent = sum(b.at(rows) for b, _ in inputs) * act_scale
+            grads = sum(b.at(rows) for b, g in inputs if g) * act_scale
+            per_mb += sent + grads
+            seconds += 2 * link.latency_us * 1e-6 + (sent + grads) / (link.gbps * 1e9)
+    out = {"pp": per_mb * M + 4}  # + the loss, broadcast from the last stage's rank
+    for a in ("dp", "cp"):  # the loss summed over the axes that share the batch
+        if mesh[a] > 1:
+            out[a] = 4.0
+    holds = {0, num_stages - 1} & set(stages)
+    if facts.tied and len(holds) == 1 and spec.rank_of_stage(0, pp) != spec.rank_of_stage(num_stages - 1, pp):
+        out["pp"] += _fsdp_bytes([p for p in facts.before.params if p[0] in facts.tied], mesh["dp"])
+    return out, seconds
+
+
+def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Calibration):
+    """FSDP2's bytes per step on this rank, the seconds they take, and the seconds of the first
+    all-gather (nothing to overlap it with)."""
+    if dp == 1:
+        return 0.0, 0.0, 0.0
+    link = _link("dp", mesh, cal)
+    gather_size = 0.5 if bf16 else 1.0
+    total, seconds, first = 0.0, 0.0, 0.0
+    for u in units:
+        padded = sum(-(-shape[0] // dp) * dp * (math.prod(shape[1:]) if len(shape) > 1 else 1) * size
+                     for _, shape, size in u.params if shape)
+        if not padded:
+            continue
+        gathers = (M if u.name in (BEFORE, AFTER) else 2 * M)  # the root keeps its gathered parameters to the backward
+        g = padded * gather_size
+        total += gathers * g + padded
+        t = _collective_seconds("all_gather", g, dp, link)
+        seconds += gathers * t + _collective_seconds("reduce_scatter", padded, dp, link)
+        first = max(first, t)
+    return total, seconds, first
+
+
+def _forward_seconds(u: UnitFacts, rows: float, cal: Calibration) -> float:
+    return (u.matmul_flops.at(rows) / (cal.matmul_tflops * 1e12) + u.other_bytes.at(rows) / (cal.memory_gbps * 1e9)
+            + u.kernels.at(rows) * cal.kernel_us * 1e-6)
+
+
+__all__ = ["estimate", "Estimate", "RankEstimate", "balance", "MEMORY_KEYS"]

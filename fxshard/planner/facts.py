@@ -1,0 +1,380 @@
+"""What one rank's program does, per unit, for one sub-plan: the expensive step, done once.
+
+A *sub-plan* is the part of a mesh that changes the program: the degrees of ``tp``, ``cp``
+and ``ep`` (and whether cp runs under pp, whose recipe gathers the sequence before the head).
+``dp`` (FSDP2 divides what each rank stores, the program is the same) and ``pp`` (the program
+is cut between blocks) are derived from these facts by arithmetic (``estimate.py``).
+
+For a sub-plan the planner builds the trainer's plan (``fxshard.trainer.parallelize.build_plan``)
+on an offline mesh (``offline.py``), transforms the captured prefix of the model
+(``model.py``: one block of each kind) and reads, per *unit* ("<before>" the first block, each
+captured block, "<after>" the last with the loss):
+
+- ``params``: the local shape of every parameter this rank holds (the transformed program's);
+- ``comm``: the rows of ``fxshard.comm_summary`` of the program, per micro-batch;
+- ``saved``, ``matmul_flops``, ``other_bytes``, ``kernels`` and the tensors a block takes from
+  outside (what a pipeline cut in front of it sends): from two forward runs on the meta device
+  at ``ROWS`` and ``2 ROWS`` rows, so that each is an :class:`Affine` function of the rows of
+  a micro-batch (rotary tables do not grow with the batch, hidden states do).
+
+Example::
+
+    facts = program_facts(PlannedModel.resolve(model), SubPlan(tp=2), seq=4096, captures={})
+    facts.block(7).saved.at(rows=2)         # bytes block 7 keeps for the backward at 2 rows
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxshard.debug.comm_summary import comm_summary
+from fxshard.errors import PlanError
+from fxshard.frontend.trace import trace
+from fxshard.plan.mesh import MeshSpec
+from fxshard.plan.plan import Plan
+from fxshard.planner.model import PlannedModel
+from fxshard.planner.offline import AFTER, BEFORE, ForwardCounts, measure_forward, offline_mesh
+from fxshard.transform import transform
+
+ROWS = 3  # the example's rows: no other dim of a small test model is 3, so a leading 3 is the batch
+PARAM_SYNCS = ("grad_sync", "grad_sync_bucket")
+
+
+@dataclass(frozen=True)
+class SubPlan:
+    """The degrees that change the program (1: the axis is not used)."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    cp_gathered: bool = False  # cp under pp: contiguous pieces, the final norm's output gathered
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The plan's axes in the trainer's mesh order (``cp, ep, tp``), sizes above 1."""
+        return {a: n for a, n in (("cp", self.cp), ("ep", self.ep), ("tp", self.tp)) if n > 1}
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.axes.items()) or "one rank"
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``base + per_row * rows``."""
+
+    base: float = 0.0
+    per_row: float = 0.0
+
+    def at(self, rows: float) -> float:
+        return self.base + self.per_row * rows
+
+    @classmethod
+    def fit(cls, v1: float, v2: float, r1: int = ROWS, r2: int = 2 * ROWS) -> "Affine":
+        per_row = (v2 - v1) / (r2 - r1)
+        return cls(v1 - per_row * r1, per_row)
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.base + other.base, self.per_row + other.per_row)
+
+    def scaled(self, k: float) -> "Affine":
+        return Affine(self.base * k, self.per_row * k)
+
+
+@dataclass(frozen=True)
+class CommFact:
+    """One row of the program's comm summary; ``per_row``: its bytes grow with the micro-batch."""
+
+    phase: str
+    kind: str
+    axis: str
+    axis_size: int
+    bytes: int
+    wire_bytes: int
+    per_row: bool
+    floating: bool = True  # a floating-point payload: half the bytes when the run computes in bf16
+
+    def scale(self, rows: float) -> float:
+        return rows / ROWS if self.per_row else 1.0
+
+
+@dataclass
+class UnitFacts:
+    name: str
+    params: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)  # (fqn, local shape, item size)
+    saved: Affine = Affine()
+    shared: Affine = Affine()  # <before> only: what it makes that blocks keep (a later stage receives and keeps it)
+    matmul_flops: Affine = Affine()
+    other_bytes: Affine = Affine()
+    kernels: Affine = Affine()
+    comm: list[CommFact] = field(default_factory=list)
+    inputs: list[tuple[Affine, bool]] = field(default_factory=list)  # a block's tensors from outside: bytes, carries grad
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(_numel(shape) * size for _, shape, size in self.params)
+
+
+@dataclass
+class ProgramFacts:
+    """The facts of one sub-plan's program (see the module docstring)."""
+
+    subplan: SubPlan
+    planned: PlannedModel
+    units: dict[str, UnitFacts]
+    captured: list[str]  # the program's block FQNs (the captured prefix)
+    tied: list[str]  # parameters read both before and after the blocks (held by the first and last stage)
+    # the costs fxshard.pipeline_transform balances its stages by, per unit, at ROWS rows (global shapes):
+    # (FLOPs, parameter bytes, activation bytes) of the flat program, and of the one whose blocks FSDP2 split out
+    balance: dict[str, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def n_blocks(self) -> int:
+        return self.planned.n_blocks(self.captured)
+
+    def block(self, i: int) -> UnitFacts:
+        """The facts of block ``i`` of the whole stack (a captured block of its kind)."""
+        return self.units[self.captured[self.planned.source_block(i, self.captured)]]
+
+    @property
+    def before(self) -> UnitFacts:
+        return self.units[BEFORE]
+
+    @property
+    def after(self) -> UnitFacts:
+        return self.units[AFTER]
+
+
+def build_subplan_plan(planned: PlannedModel, subplan: SubPlan, mesh):
+    """The trainer's plan for ``subplan`` over ``mesh`` (the offline mesh of its axes); the
+    plan of no sharding (a one-rank MeshSpec) when it has no axis."""
+    from fxshard.trainer.errors import TrainerError
+    from fxshard.trainer.parallel_dims import ParallelDims
+    from fxshard.trainer.parallelize import ParallelOptions, build_plan
+
+    dims = ParallelDims(tp=subplan.tp, cp=subplan.cp, ep=subplan.ep, pp=2 if subplan.cp_gathered else 1)
+    try:
+        plan, _ = build_plan(planned.model, planned.source, dims, mesh, ParallelOptions(microbatches=2))
+    except TrainerError as e:
+        raise PlanError(str(e)) from None
+    if plan is None:
+        return Plan(MeshSpec(("tp",), (1,)), {})
+    return Plan(plan.mesh, plan.specs, plan.inputs)  # without its pipeline: the program before the cut
+
+
+class Captures:
+    """The captured prefixes, one per plan *structure*: whether attention is context-parallel
+    (the capture then builds no causal mask) and the plan's local regions (outlined at capture).
+    Each is captured with the boundaries of every plan registered for it: a boundary no entry of
+    the plan being transformed names is inert (the tests check tp=1 from a tp capture), so
+    tp=1, 2, 4, 8 share one capture."""
+
+    def __init__(self, planned: PlannedModel, seq: int):
+        self.planned, self.seq = planned, seq
+        self.specs: dict[tuple, dict] = {}
+        self.axes: dict[tuple, set] = {}
+        self.graphs: dict[tuple, fx.GraphModule] = {}
+
+    @staticmethod
+    def key(plan) -> tuple:
+        cp = tuple(sorted((a, c.load_balance) for a, c in plan.context_parallel_axes().items()))
+        return cp, tuple(sorted((p, repr(s)) for p, s in plan.specs.items() if s.local))
+
+    def register(self, plan) -> None:
+        specs = self.specs.setdefault(self.key(plan), {})
+        self.axes.setdefault(self.key(plan), set()).update(plan.axes)
+        for pattern, spec in plan.specs.items():
+            specs.setdefault(pattern, spec)
+
+    def graph(self, plan) -> fx.GraphModule:
+        from fxshard.frontend.repeated_blocks import only_captured_blocks
+
+        key = self.key(plan)
+        if key not in self.graphs:
+            self.register(plan)
+            specs = self.specs[key]
+            axes = sorted(self.axes[key])
+            union = Plan(MeshSpec(axes, [2] * len(axes)), specs)
+            model = self.planned.model
+            scope = only_captured_blocks(model, self.planned.stamp) if self.planned.stamp is not None else contextlib.nullcontext()
+            with scope:
+                self.graphs[key] = trace(model, union, example_kwargs=self.example)
+        return self.graphs[key]
+
+    @property
+    def example(self) -> dict:
+        return {self.planned.input_name: torch.zeros(ROWS, self.seq, dtype=torch.long)}
+
+
+def register_plans(captures: Captures, subplans) -> dict[SubPlan, str]:
+    """Build every sub-plan's plan once, so that each capture holds the boundaries of all the
+    plans it serves; returns the sub-plans the model refuses, with the PlanError's text."""
+    refused = {}
+    for sp in subplans:
+        try:
+            with offline_mesh(sp.axes) as mesh:
+                captures.register(build_subplan_plan(captures.planned, sp, mesh))
+        except PlanError as e:
+            refused[sp] = str(e)
+    return refused
+
+
+def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = torch.float32) -> ProgramFacts:
+    """The facts of ``subplan``'s program, its forward run in ``dtype`` (bf16: the parameters
+    FSDP2's mixed precision gathers).  A plan the model refuses is its ``PlanError``."""
+    from fxshard.trainer.loop import token_loss_sum
+
+    t0 = time.perf_counter()
+    planned, seq = captures.planned, captures.seq
+    name = planned.input_name
+    example = captures.example
+    with offline_mesh(subplan.axes) as mesh:
+        plan = build_subplan_plan(planned, subplan, mesh)
+        program = transform(captures.graph(plan), plan, example_kwargs=example, blocks="auto")
+        program.to("meta")
+        captured = list(program.meta.get("fxshard_fsdp_units") or ())
+        units = {u: UnitFacts(u) for u in (BEFORE, *captured, AFTER)}
+        unit_of_node = _top_level_units(program, captured)
+        tied = _fill_params(units, program, captured, unit_of_node)  # fp32, as the trainer keeps them
+        summary = comm_summary(program)
+        balance = {"flat": balance_costs(program, captured, flat=True), "split": balance_costs(program, captured, flat=False)}
+        if dtype != torch.float32:
+            program.to(dtype)
+        seq_local = seq // subplan.cp
+        runs = [measure_forward(program, name, rows, seq_local, token_loss_sum, captured) for rows in (ROWS, 2 * ROWS)]
+    _fill_counts(units, runs)
+    for r in summary.rows:
+        unit = next((b for b in captured if r.region == b or r.region.startswith(b + ".")), None)
+        unit = unit or unit_of_node.get(r.node, AFTER)
+        per_row = bool(r.shape) and r.shape[0] in (ROWS, ROWS * seq_local, ROWS * seq)
+        units[unit].comm.append(CommFact(r.phase, r.kind, r.axis, r.axis_size, r.bytes, r.wire_bytes, per_row,
+                                         r.dtype.is_floating_point))
+    return ProgramFacts(subplan, planned, units, captured, tied, balance, time.perf_counter() - t0)
+
+
+def balance_costs(program: fx.GraphModule, captured: list[str], flat: bool) -> dict[str, tuple[int, int, int]]:
+    """Per unit, the (FLOPs, parameter bytes, activation bytes) by which ``pipeline_transform``
+    balances stages (``docs/pipeline.md``, "The spec"): from each node's recorded global shape,
+    a linear ``2 * out * in`` FLOPs, attention ``4 * q * keys``, anything else its output's
+    elements.  ``flat=False``: the program FSDP2 runs (``Plan(fsdp=...)``), whose blocks are one
+    ``call_module`` node each, and so are costed by their output alone."""
+    costs = {u: [0, 0, 0] for u in (BEFORE, *captured, AFTER)}
+    seen: dict[str, set] = {u: set() for u in costs}
+    current = BEFORE
+
+    def visit(n: fx.Node, unit: str, owner: str) -> None:
+        c = costs[unit]
+        c[0] += _node_flops(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            c[2] += _numel(val.shape) * val.element_size()
+        for a in n.all_input_nodes:
+            target = f"{owner}{a.target}"
+            if a.op == "get_attr" and target not in seen[unit] and isinstance(a.meta.get("val"), torch.Tensor):
+                seen[unit].add(target)
+                c[1] += _numel(a.meta["val"].shape) * a.meta["val"].element_size()
+
+    for n in program.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if n.op == "call_module" and n.target in captured:
+            current = n.target
+            if flat:
+                for inner in program.get_submodule(n.target).graph.nodes:
+                    if inner.op not in ("placeholder", "get_attr", "output"):
+                        visit(inner, current, n.target + ".")
+                continue
+        elif current != BEFORE:
+            current = AFTER
+        visit(n, current, "")
+    return {u: tuple(c) for u, c in costs.items()}
+
+
+def _node_flops(n: fx.Node) -> int:
+    import operator
+
+    import torch.nn.functional as F
+
+    out = n.meta.get("val")
+    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+    if n.op == "call_function" and n.target is F.linear and isinstance(args[1], torch.Tensor):
+        return 2 * _hinted(out) * _dim(args[1].shape[-1])
+    if n.target in (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm") and isinstance(args[0], torch.Tensor):
+        return 2 * _hinted(out) * _dim(args[0].shape[-1])
+    if n.target is F.scaled_dot_product_attention and all(isinstance(a, torch.Tensor) for a in args[:2]):
+        return 4 * _hinted(args[0]) * _dim(args[1].shape[-2])
+    return _hinted(out)
+
+
+def _hinted(t) -> int:
+    return _numel(t.shape) if isinstance(t, torch.Tensor) else 0
+
+
+def _fill_counts(units: dict[str, UnitFacts], runs: list[ForwardCounts]) -> None:
+    small, large = runs
+    for name, u in units.items():
+        a, b = small.units.get(name), large.units.get(name)
+        if a is None or b is None:
+            continue
+        u.saved = Affine.fit(a.saved, b.saved)
+        u.shared = Affine.fit(a.shared, b.shared)
+        u.matmul_flops = Affine.fit(a.matmul_flops, b.matmul_flops)
+        u.other_bytes = Affine.fit(a.other_bytes, b.other_bytes)
+        u.kernels = Affine.fit(a.kernels, b.kernels)
+        u.inputs = [(Affine.fit(x, y), grad) for (x, grad), (y, _) in zip(small.inputs.get(name, ()), large.inputs.get(name, ()))]
+
+
+def _top_level_units(program: fx.GraphModule, captured: list[str]) -> dict[str, str]:
+    """The unit of each node of the program's own graph, by its place around the blocks."""
+    units, current = {}, BEFORE
+    for n in program.graph.nodes:
+        if n.op == "call_module" and n.target in captured:
+            units[n.name] = current = n.target
+            continue
+        if current != BEFORE and n.op not in ("placeholder", "get_attr"):
+            current = AFTER
+        units[n.name] = current if n.op != "get_attr" else ""
+    return units
+
+
+def _fill_params(units: dict[str, UnitFacts], program: fx.GraphModule, captured: list[str],
+                 unit_of_node: dict[str, str]) -> list[str]:
+    """Each parameter under the unit that holds it; returns the tied ones (read before and after)."""
+    readers: dict[str, set[str]] = {}
+    for n in program.graph.nodes:
+        if n.op == "get_attr":
+            readers.setdefault(n.target, set()).update(unit_of_node.get(u.name, AFTER) for u in n.users)
+    tied, seen = [], set()
+    names: dict[int, list[str]] = {}
+    for fqn, p in program.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    for fqn, p in program.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        block = next((b for b in captured if fqn.startswith(b + ".")), None)
+        read_by = set().union(*(readers.get(f, set()) for f in names[id(p)]))
+        unit = block or (AFTER if read_by and read_by <= {AFTER} else BEFORE)
+        units[unit].params.append((fqn, tuple(p.shape), p.element_size()))
+        if block is None and BEFORE in read_by and AFTER in read_by:
+            tied.append(fqn)
+    return tied
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= _dim(d)
+    return n
+
+
+def _dim(d) -> int:
+    """A size, or the example's value of a symbolic one."""
+    if isinstance(d, int):
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if hint is not None else 1

@@ -1,0 +1,230 @@
+"""Run a rank's program without the ranks: torch's fake process group and the meta device.
+
+The planner needs what a program *does* on one rank (the tensors its backward keeps, its
+FLOPs, the bytes its kernels move), not its values.  :func:`offline_mesh` makes a real
+``DeviceMesh`` over torch's fake process group in this process (collectives are shapes
+only, no peer exists), so ``fxshard.transform`` binds the mesh as on a real rank (rank 0's
+view); :func:`measure_forward` then runs the program's forward on meta tensors
+(nothing is allocated) and counts, per unit (the part before the first block, each block,
+the part after the last block with the loss):
+
+- ``saved``: bytes of the unique storages autograd keeps for the backward
+  (``torch.autograd.graph.saved_tensors_hooks``), parameters and buffers excluded, each
+  counted where it was *made* (a block's output, kept by the next block, is the block's);
+  ``shared``: storages made before the blocks that blocks keep (rotary tables, masks: a
+  later pipeline stage receives and keeps them too);
+- ``matmul_flops`` (``torch.utils.flop_counter``'s formulas, attention included),
+  ``other_bytes`` (bytes read and written by every other kernel that is not a view) and
+  ``kernels``.
+
+Attention runs as on a device: on the meta device ``scaled_dot_product_attention`` would take
+the math path and keep the ``[b, h, s, s]`` probabilities, which flash and memory-efficient
+attention never keep; here it keeps what they keep: q, k, v, the output, the log-sum-exp
+(fp32) and a given mask converted to the query's dtype.
+
+Example::
+
+    with offline_mesh({"tp": 2}) as mesh:
+        program = fxshard.transform(model, plan_over(mesh), example_kwargs=kw, blocks="auto")
+        counts = measure_forward(program, "input_ids", rows=2, seq=128, loss=token_loss_sum)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from fxshard.errors import PlanError
+from fxshard.runtime.collectives import bind_mesh
+
+BEFORE, AFTER = "<before>", "<after>"
+
+
+@contextlib.contextmanager
+def offline_mesh(sizes: dict[str, int]) -> Iterator:
+    """A ``DeviceMesh`` of ``sizes`` (``None`` when empty) over torch's fake process group,
+    in this process, for the block; the process group is destroyed on exit and the mesh fxshard
+    had bound before is bound again.  Refused while a real process group exists (the fake one
+    would replace it)."""
+    if dist.is_initialized():
+        raise PlanError("fxshard.plan_parallelism runs each candidate on torch's fake process group, and this process "
+                        "already has a process group\n  fix: plan before torch.distributed.init_process_group (every "
+                        "rank gets the same answer), or in another process: python -m fxshard plan ...")
+    # registers torch's "fake" backend: collectives of shapes only, one process plays rank 0
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+
+    previous = bind_mesh(None)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=max(1, math.prod(sizes.values())))
+    try:
+        yield init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes)) if sizes else None
+    finally:
+        dist.destroy_process_group()
+        bind_mesh(previous)
+
+
+@dataclass
+class UnitCounts:
+    """What one unit's forward did at one micro-batch size (see the module docstring)."""
+
+    saved: int = 0
+    shared: int = 0
+    matmul_flops: int = 0
+    other_bytes: int = 0
+    kernels: int = 0
+
+
+@dataclass
+class ForwardCounts:
+    units: dict[str, UnitCounts] = field(default_factory=dict)
+    inputs: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)  # per block: (bytes, carries grad) of its tensors
+
+    def unit(self, name: str) -> UnitCounts:
+        return self.units.setdefault(name, UnitCounts())
+
+
+class _DeviceAttention(torch.autograd.Function):
+    """``scaled_dot_product_attention`` on meta tensors keeping what flash / memory-efficient
+    attention keep (the outputs are empty: shapes only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        kept = [q, k, v, out, lse]
+        if mask is not None:
+            kept.append(mask.to(q.dtype) if mask.dtype != q.dtype else mask)
+        ctx.save_for_backward(*kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+class _Attention(TorchFunctionMode):
+    def __init__(self, on_attention: Callable[[int, int], None]):
+        super().__init__()
+        self.on_attention = on_attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            # forward: Q K^T and P V, 2 flops each multiply-add; causal kernels skip the masked half
+            flops = 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1] // (2 if causal else 1)
+            moved = sum(t.numel() * t.element_size() for t in (q, k, v)) * 2
+            self.on_attention(flops, moved)
+            return _DeviceAttention.apply(q, k, v, mask)
+        return func(*args, **kwargs)
+
+
+_MATMULS = {p for p in flop_registry if "attention" not in str(p)}
+_ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.new_empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                torch.ops.aten.new_empty_strided}
+
+
+class _Counter(TorchDispatchMode):
+    """Kernels, FLOPs and bytes per unit, and which unit made each storage."""
+
+    def __init__(self, counts: ForwardCounts, where: Callable[[], str]):
+        super().__init__()
+        self.counts, self.where = counts, where
+        self.made: dict[int, str] = {}
+        self.keep: list[torch.Tensor] = []  # alive until the end: a freed storage's address is not reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        unit = self.counts.unit(self.where())
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        in_storages = {_storage(t) for t in ins}
+        fresh = [t for t in outs if _storage(t) not in in_storages]
+        packet = func._overloadpacket
+        if packet in _ALLOCATIONS:
+            pass  # memory handed out, no kernel
+        elif packet in _MATMULS:
+            unit.matmul_flops += flop_registry[packet](*args, **kwargs, out_val=out)
+            unit.kernels += 1
+        elif fresh:  # a view makes no kernel and moves nothing
+            unit.other_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in fresh)
+            unit.kernels += 1
+        for t in fresh:
+            self.made.setdefault(_storage(t), self.where())
+            self.keep.append(t)
+        return out
+
+
+def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: int,
+                    loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
+                    blocks: list[str] = ()) -> ForwardCounts:
+    """Run ``program`` (on the meta device) on ``rows`` x ``seq`` token ids of this rank, then
+    ``loss(output, labels)``, counting per unit (``blocks``: the FQNs of the program's block
+    submodules, in order)."""
+    counts = ForwardCounts()
+    state = {"unit": BEFORE, "blocks_done": 0}
+    handles = []
+
+    def enter(fqn, args, kwargs):
+        state["unit"] = fqn
+        counts.inputs[fqn] = [(_nbytes(t), t.requires_grad and t.is_floating_point())
+                              for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+    for fqn in blocks:
+        block = program.get_submodule(fqn)
+        handles.append(block.register_forward_pre_hook(lambda m, a, k, fqn=fqn: enter(fqn, a, k), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda m, a, o: state.update(unit=AFTER)))
+    counter = _Counter(counts, lambda: state["unit"])
+    state_storages = {_storage(t) for t in list(program.parameters()) + list(program.buffers())}
+    saved: dict[int, tuple[int, str]] = {}
+
+    def pack(t: torch.Tensor):
+        key = _storage(t)
+        if key not in state_storages and key not in saved:
+            made = counter.made.get(key, BEFORE)  # an input made outside the program: the first unit's
+            saved[key] = (t.untyped_storage().nbytes(), made)
+            if made == BEFORE and state["unit"] != BEFORE:
+                counts.unit(BEFORE).shared += t.untyped_storage().nbytes()
+        return t
+
+    def on_attention(flops: int, moved: int) -> None:
+        unit = counts.unit(state["unit"])
+        unit.matmul_flops += flops
+        unit.other_bytes += moved
+        unit.kernels += 1
+
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Attention(on_attention), counter:
+            out = program(**{input_name: ids})
+            if loss is not None:
+                state["unit"] = AFTER
+                logits = getattr(out, "logits", out)
+                loss(out, torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    for nbytes, made in saved.values():
+        counts.unit(made).saved += nbytes
+    return counts
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
     torchrun --nproc-per-node 4 -m fxshard train --model DIR --data book.txt --mesh dp=2,tp=2   # the trainer
     python -m fxshard export ckpt/step000100 out/model                                         # to transformers
+    python -m fxshard plan --model DIR --world 64 --memory 80 --seq 8192 --global-batch 512    # which mesh
     python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from fxshard.cli.train import add_parsers
 
     add_parsers(sub)
+    from fxshard.cli.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     from fxshard.cli.extras import MissingExtra, missing_extra
 
@@ -60,6 +64,10 @@ def _run(args: argparse.Namespace) -> int:
         from fxshard.cli.train import run_export, run_train
 
         return run_train(args) if args.command == "train" else run_export(args)
+    if args.command == "plan":
+        from fxshard.cli.plan import run_plan
+
+        return run_plan(args)
     return 2
 
 

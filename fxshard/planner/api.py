@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxshard.debug.comm_summary import fmt_bytes
 from fxshard.errors import PlanError
 from fxshard.planner.calibration import Calibration, default_calibration
 from fxshard.planner.candidates import Candidate, candidate_from, divisibility, enumerate_candidates
@@ -154,12 +155,12 @@ def format_table(entries: list[PlanEntry], top: int = 12, rejected: int = 8) -> 
     """The best ``top`` entries and the first ``rejected`` rejected ones, one line each."""
     fits = [e for e in entries if e.fits][:top]
     bad = [e for e in entries if not e.fits][:rejected]
-    head = ["#", "mesh", "M", "schedule", "AC", "params", "grads", "optim", "activ", "transient", "total GiB",
-            "comm GiB/step", "step s", "tokens/s/rank"]
+    head = ["#", "mesh", "M", "schedule", "AC", "params", "grads", "optimizer", "activations", "transient", "total",
+            "comm per step", "step s", "tokens/s/rank"]
     rows = []
     for i, e in enumerate(fits + bad):
-        mem = [f"{e.memory.get(k, 0) / GIB:.2f}" for k in MEMORY_KEYS] if e.memory else [""] * len(MEMORY_KEYS)
-        comm = " ".join(f"{a} {b / GIB:.2f}" for a, b in e.comm_bytes.items()) or "-"
+        mem = [fmt_bytes(e.memory.get(k, 0)) for k in MEMORY_KEYS] if e.memory else [""] * len(MEMORY_KEYS)
+        comm = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in e.comm_bytes.items()) or "-"
         rows.append([str(i + 1) if e.fits else "x", e.mesh_spec or "1", str(e.microbatches), e.schedule or "-",
                      "yes" if e.activation_checkpointing else "", *mem, comm,
                      f"{e.step_time_s:.3g}" if e.step_time_s is not None else "",

@@ -98,6 +98,8 @@ def divisibility(c: Candidate, world: int, *, seq: int, global_batch: int, n_blo
         return f"pp={m['pp']} x {c.virtual} stages per rank is more than the {n_blocks} blocks"
     if m["pp"] > 1 and c.virtual > 1 and c.microbatches % m["pp"]:
         return f"{c.schedule} needs micro-batches a multiple of pp={m['pp']}"
+    if m["pp"] > 1 and c.schedule != "GPipe" and c.microbatches < m["pp"]:
+        return f"{c.schedule} needs at least as many micro-batches as pp={m['pp']} (torch refuses fewer)"
     return None
 
 

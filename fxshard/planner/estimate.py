@@ -99,7 +99,7 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         memory = {"params": params, "grads": params, "optimizer": 2 * params, "activations": act,
                   "transient": _fsdp_transient(facts, blocks, first, last, dp, bf16)}
         memory["total"] = sum(memory.values())
-        comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal)
+        comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal, pipelined=pp > 1, recompute=c.activation_checkpointing)
         p2p, p2p_s = _p2p(facts, stage_blocks, stages, spec, c, r, rows, act_scale, m, cal)
         for a, b in p2p.items():
             comm[a] = comm.get(a, 0.0) + b
@@ -261,14 +261,18 @@ def _collective_seconds(kind: str, nbytes: float, n: int, link) -> float:
     return link.latency_us * 1e-6 + ring * nbytes / (link.gbps * 1e9)
 
 
-def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration):
-    """Bytes per axis in a step, and seconds per micro-batch, of the program's own collectives."""
+def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration, pipelined: bool, recompute: bool):
+    """Bytes per axis in a step, and seconds per micro-batch, of the program's own collectives
+    (a checkpointed block's forward collectives run again when the backward recomputes it)."""
     bytes_, seconds = {}, 0.0
     for u in units:
         for f in u.comm:
+            if f.guard and pipelined:
+                continue
+            times = 2 if recompute and f.phase == "forward" and u.name not in (BEFORE, AFTER) else 1
             b = f.bytes * f.scale(rows) * (0.5 if bf16 and f.floating else 1.0)
-            bytes_[f.axis] = bytes_.get(f.axis, 0.0) + b * M
-            seconds += _collective_seconds(f.kind, b, f.axis_size, _link(f.axis, mesh, cal))
+            bytes_[f.axis] = bytes_.get(f.axis, 0.0) + b * M * times
+            seconds += times * _collective_seconds(f.kind, b, f.axis_size, _link(f.axis, mesh, cal))
     return bytes_, seconds
 
 
@@ -313,7 +317,9 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
                      for _, shape, size in u.params if shape)
         if not padded:
             continue
-        gathers = (M if u.name in (BEFORE, AFTER) else 2 * M)  # the root keeps its gathered parameters to the backward
+        # a block is gathered for each micro-batch's forward and once for the backward (torch's stage keeps it
+        # gathered until the last micro-batch's); the root (before, after) once: it is not resharded in between
+        gathers = 1 if u.name in (BEFORE, AFTER) else M + 1
         g = padded * gather_size
         total += gathers * g + padded
         t = _collective_seconds("all_gather", g, dp, link)

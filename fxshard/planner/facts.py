@@ -38,6 +38,7 @@ from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan
 from fxshard.planner.model import PlannedModel
 from fxshard.planner.offline import AFTER, BEFORE, ForwardCounts, measure_forward, offline_mesh
+from fxshard.training.batch import equal_pieces
 from fxshard.transform import transform
 
 ROWS = 3  # the example's rows: no other dim of a small test model is 3, so a leading 3 is the batch
@@ -96,6 +97,7 @@ class CommFact:
     wire_bytes: int
     per_row: bool
     floating: bool = True  # a floating-point payload: half the bytes when the run computes in bf16
+    guard: bool = False  # the program's check of its input pieces (a pre-hook): not run by pipeline stages
 
     def scale(self, rows: float) -> float:
         return rows / ROWS if self.per_row else 1.0
@@ -241,6 +243,7 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
         unit_of_node = _top_level_units(program, captured)
         tied = _fill_params(units, program, captured, unit_of_node)  # fp32, as the trainer keeps them
         summary = comm_summary(program)
+        pieces = equal_pieces(program)
         balance = {"flat": balance_costs(program, captured, flat=True), "split": balance_costs(program, captured, flat=False)}
         if dtype != torch.float32:
             program.to(dtype)
@@ -253,6 +256,7 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
         per_row = bool(r.shape) and r.shape[0] in (ROWS, ROWS * seq_local, ROWS * seq)
         units[unit].comm.append(CommFact(r.phase, r.kind, r.axis, r.axis_size, r.bytes, r.wire_bytes, per_row,
                                          r.dtype.is_floating_point))
+    units[BEFORE].comm += _piece_check_rows(pieces, subplan.axes)
     return ProgramFacts(subplan, planned, units, captured, tied, balance, time.perf_counter() - t0)
 
 
@@ -312,6 +316,21 @@ def _node_flops(n: fx.Node) -> int:
 
 def _hinted(t) -> int:
     return _numel(t.shape) if isinstance(t, torch.Tensor) else 0
+
+
+def _piece_check_rows(pieces, axes: dict[str, int]) -> list[CommFact]:
+    """The all-reduces of int64s by which the ranks compare their input pieces before the
+    program runs (``fxshard.training.batch.EqualPiecesGuard``): per axis, two ints per piece on
+    it; then one int per piece over every other axis, for the mesh to agree."""
+    if not pieces:
+        return []
+    by_axis: dict[str, int] = {}
+    for p in pieces:
+        by_axis[p.axis] = by_axis.get(p.axis, 0) + 1
+    rows = [CommFact("forward", "all_reduce", a, axes[a], 16 * k, 16 * k, False, False, True) for a, k in by_axis.items()]
+    others = [a for a, n in axes.items() if n > 1 and (len(by_axis) > 1 or a not in by_axis)]
+    rows += [CommFact("forward", "all_reduce", a, axes[a], 8 * len(pieces), 8 * len(pieces), False, False, True) for a in others]
+    return rows
 
 
 def _fill_counts(units: dict[str, UnitFacts], runs: list[ForwardCounts]) -> None:

@@ -98,7 +98,10 @@ class _DeviceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        if q.dim() == 4:  # laid out [b, s, h, d] as the kernels write it: heads.transpose(1, 2) then needs no copy
+            out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         kept = [q, k, v, out, lse]
         if mask is not None:
@@ -147,6 +150,16 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func._overloadpacket is torch.ops.aten._grouped_mm and args[0].dtype != torch.bfloat16:
+            # MoE experts: the meta kernel of grouped_mm takes bf16 only; the shapes are the same in any dtype
+            a, b = args[0], args[1]
+            out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs).to(a.dtype)
+            unit = self.counts.unit(self.where())
+            unit.matmul_flops += 2 * out.numel() * a.shape[-1]
+            unit.kernels += 1
+            self.made.setdefault(_storage(out), self.where())
+            self.keep.append(out)
+            return out
         out = func(*args, **kwargs)
         unit = self.counts.unit(self.where())
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

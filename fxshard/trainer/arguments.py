@@ -32,7 +32,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--mesh", default="", metavar="AXIS=SIZE,...",
-                   help="any product of dp, tp, pp, cp, ep, e.g. dp=2,pp=2,tp=2 (their product: the processes)")
+                   help="any product of dp, tp, pp, cp, ep, e.g. dp=2,pp=2,tp=2 (their product: the processes); "
+                        "auto: the best mesh fxshard.plan_parallelism predicts for --memory-gib per rank")
+    g.add_argument("--memory-gib", type=float, default=None,
+                   help="with --mesh auto: memory per rank (default: the device's, from the planner's calibration)")
     g.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="pipeline micro-batches per step (default: the pp size; needs pp)")
     g.add_argument("--schedule", default=None,

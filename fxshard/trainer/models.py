@@ -167,6 +167,16 @@ class ModelSource:
         torch.manual_seed(self.seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
 
+    def build_meta(self, vocab_size: int | None = None) -> nn.Module:
+        """The model on the meta device (no storage, no init): what a planner reads."""
+        if self.kind == "torchtitan":
+            with torch.device("meta"):
+                return self.build(meta=True, vocab_size=vocab_size, device="meta")
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config(vocab_size), dtype=torch.float32)
+
     @property
     def loads_weights_per_rank(self) -> bool:
         """Whether a sharded run reads its weights from the checkpoint after the transform."""

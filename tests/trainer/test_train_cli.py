@@ -108,7 +108,8 @@ def one_process(checkpoints, cache, tmp_path_factory):
 MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2,tp=2", 4, []),
           ("llama", "pp=2,dp=2", 4, ["--activation-checkpointing"]), ("llama", "cp=2,tp=2", 4, []),
           ("qwen3_moe", "ep=2", 2, []),
-          ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"])]
+          ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"]),
+          ("llama", "auto", 2, ["--memory-gib", "4"])]
 
 
 @pytest.mark.parametrize("model,mesh,nproc,extra", MESHES, ids=[" ".join([m, *e]) for _, m, _, e in MESHES])
@@ -130,8 +131,11 @@ def test_mesh_trains_as_one_process(model, mesh, nproc, extra, checkpoints, cach
     # the export: transformers loads it, with the trained program's logits (its loss under pp)
     check = re.search(r"from_pretrained\(.*\) vs the (logits|loss) of the trained program, (?:max )?difference (\S+)", stdout)
     assert check and float(check.group(2)) <= 1e-5, stdout[-2000:]
-    assert check.group(1) == ("loss" if "pp" in mesh else "logits")
+    pipelined = re.search(r"^fxshard train: .* on .*pp=", stdout, re.M) is not None
+    assert check.group(1) == ("loss" if pipelined else "logits")
     _same_logits(str(export), want_export)
+    if mesh == "auto":  # the planner's choice, said before the run
+        assert re.search(r"^mesh auto: --mesh \S+", stdout, re.M), stdout[:2000]
     holds = re.search(r"^holds: (.*)$", stdout, re.M).group(1)
     if mesh == "pp=2,tp=2":  # each pipeline rank holds its half of the blocks
         assert "blocks 0-1" in holds and "blocks 2-3" in holds and "blocks 0-3" not in holds, holds

@@ -64,6 +64,7 @@ def refused(capsys, *argv) -> str:
     (["--seq", "1"], "--seq 1: at least 2"),
     (["--model-config", "no_such_field=1"], "no_such_field"),
     (["--model", "torchtitan-llama3", "--export-hf", "out"], "an HF checkpoint needs an HF model"),
+    (["--memory-gib", "8"], "--memory-gib without --mesh auto"),
 ])
 def test_refused_with_the_fix(capsys, argv, says):
     err = refused(capsys, "--data", TEXT, *argv)
@@ -197,3 +198,9 @@ def test_export_command(tmp_path, cache, capsys):
     state = torch.load(ckpt / "step000003" / "state.0.pt", weights_only=True)
     assert state["step"] == 3 and isinstance(state["data"]["position"], int)
     assert model.config.vocab_size >= 257
+
+
+def test_mesh_auto_one_process(tmp_path, cache, capsys):
+    recs, _ = train(tmp_path, cache, "--mesh", "auto", "--memory-gib", "4")
+    assert sorted(recs) == [1, 2, 3]
+    assert "mesh auto: one process" in capsys.readouterr().out

@@ -215,6 +215,8 @@ class ProgramMeta(TypedDict, total=False):
     captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
     static_input_dims: list  # [(placeholder, dim, size)]: input dims export kept static, the model's code fixing them
     #   (frontend.capture -> frontend.static_sizes: the transformed program's input check)
+    input_dim_ranges: list  # [(placeholder, dim, low, high, fixed, bounds)]: symbolic input dims whose range export narrowed,
+    #   a size derived from them fixed by the model's code (frontend.trace -> frontend.static_sizes: the input check)
     capture_blocks: str  # "stamped 29 of 32 blocks of model.layers from 3 captured" or "captured in full: <why>" (frontend.repeated_blocks)
     model_class: str  # class name of the captured model (frontend.trace -> GraphModule name)
     model_type: str  # HF config.model_type, if any (frontend.trace -> dump)

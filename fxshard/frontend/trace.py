@@ -97,6 +97,11 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     """
     if capture not in CAPTURES:
         raise PlanError(f"trace: capture={capture!r}; use one of {CAPTURES}")
+    with _model_state_kept(model):
+        return _trace(model, plan, example_inputs, example_kwargs, capture, dynamic_shapes)
+
+
+def _trace(model: nn.Module, plan, example_inputs, example_kwargs, capture: str, dynamic_shapes) -> fx.GraphModule:
     if capture == "fx" or (capture == "auto" and not example_kwargs):
         try:
             gm = _fx_trace(model, plan)
@@ -116,15 +121,61 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
             _record_model(gm, model)
             return gm
     from fxshard.frontend.capture import capture as export_capture, flat_inputs
+    from fxshard.frontend.static_sizes import record_input_dim_ranges
 
     gm = export_capture(model, plan, example_inputs, example_kwargs, dynamic_shapes,
                         repeated_blocks=capture != "export-every-block")
+    record_input_dim_ranges(gm)  # before record_shapes makes the shapes concrete
     keep_non_persistent(model, gm)
     register_attribute_buffers(gm, model)
     if example_inputs or example_kwargs:
         record_shapes(gm, flat_inputs(gm, example_inputs, example_kwargs))
     _record_model(gm, model)
     return gm
+
+
+_MODULE_SLOTS = frozenset(vars(nn.Module()))  # nn.Module's own attributes: parameters, buffers, hooks, training
+
+
+@contextlib.contextmanager
+def _model_state_kept(model: nn.Module):
+    """Capture leaves the model as it found it.  A model that fills a cache on its forward
+    (OLMo-core's rotary embedding keeps its sine and cosine tables in a dict-like
+    ``BufferCache`` it fills on the first call; a ``self.cache = ...`` set lazily) fills it
+    with fake tensors or proxies while it is traced; left there, the next capture finds a
+    fake tensor among its constants ("We found a fake tensor in the exported program
+    constant's list") and an eager call computes with it.  Every module attribute that the
+    capture added or replaced, and every entry of a dict-like attribute it changed, is put
+    back afterwards (the captured graph computes the table itself, or holds its own copy)."""
+    from collections.abc import MutableMapping
+
+    saved = []
+    for mod in model.modules():
+        attrs = {k: v for k, v in vars(mod).items() if k not in _MODULE_SLOTS}
+        maps = {k: dict(v.items()) for k, v in attrs.items() if isinstance(v, (dict, MutableMapping))
+                and not isinstance(v, nn.Module)}
+        saved.append((mod, attrs, maps))
+    try:
+        yield
+    finally:
+        for mod, attrs, maps in saved:
+            now = vars(mod)
+            for k in [k for k in now if k not in _MODULE_SLOTS and k not in attrs]:
+                del now[k]
+            for k, v in attrs.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+            for k, before in maps.items():
+                m = attrs[k]
+                try:
+                    if dict(m.items()).keys() != before.keys() or any(m[key] is not v for key, v in before.items()):
+                        m.clear()
+                        m.update(before)
+                except Exception:  # noqa: BLE001 - a mapping that cannot be read back as it was written is left alone
+                    pass
+
+
+_MISSING = object()
 
 
 def _record_model(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -114,3 +114,54 @@ def test_a_pipelines_train_step_checks_the_micro_batches():
                                           target=torch.zeros(4))
     finally:
         dist.destroy_process_group()
+
+
+class Windows(nn.Module):
+    """Pools the sequence in windows of 4 and takes a shortcut for a single window: at an
+    example of 6 tokens export fixes the number of windows at 1 (``Eq(s//4, 1)``) while the
+    sequence dim itself stays symbolic (DeepSeek-V4's compressor does the same)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        windows = h.shape[1] // 4
+        pooled = h[:, :4 * windows].unflatten(1, (windows, 4)).mean(2)
+        summary = pooled.squeeze(1) if windows == 1 else pooled.sum(1)
+        return h + summary.unsqueeze(1)
+
+
+def test_a_size_derived_from_a_dynamic_dim_runs_where_it_holds_and_is_refused_elsewhere():
+    model = Windows()
+    sharded = fxshard.transform(model, fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {}), (torch.randn(2, 6, 8),))
+    assert [r[:2] + r[4:5] for r in sharded.meta["input_dim_ranges"]] == [("x", 1, (("(size//4)", 1),))]
+    for length in (4, 5, 7):  # one window of 4, as in the example: exact
+        x = torch.randn(3, length, 8)
+        torch.testing.assert_close(sharded(x), model(x))
+    for length, windows in ((8, 2), (3, 0)):
+        with pytest.raises(PlanError, match=rf"(?s)input 'x' of Windows has {length} on dim 1, where \(x.shape\[1\]//4\) "
+                                            rf"is {windows}, but the program was captured with \(x.shape\[1\]//4\) fixed at "
+                                            rf"1.*fix: transform with example inputs of the size you run"):
+            sharded(torch.randn(2, length, 8))
+
+
+def test_hf_deepseek_v4_transformed_at_6_tokens_is_refused_at_8_and_12():
+    """DeepSeek-V4's compressor: windows of 4 tokens, one at 6; export narrows the sequence
+    to 4..7 and fixes the number of windows; 8 and 12 crashed deep inside ("the expanded size
+    of the tensor (9) must match the existing size (10)")."""
+    from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+
+    model = tiny_model("deepseek_v4")
+    (ids, _), (same, _) = tiny_inputs(2, 6, seed=2), tiny_inputs(2, 5, seed=3)
+    sharded = fxshard.transform(model, fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {}),
+                                example_kwargs={"input_ids": tiny_inputs(2, 6, seed=1)[0]})
+    for x in (ids, same):
+        torch.testing.assert_close(sharded(input_ids=x).logits, model(input_ids=x).logits)
+    for length in (8, 12):
+        with pytest.raises(PlanError, match=rf"(?s)input 'input_ids' of DeepseekV4ForCausalLM has {length} on dim 1, "
+                                            rf"where \(input_ids.shape\[1\]//4\) is {length // 4}.*fixed at 1.*\(4 to 7\)"
+                                            rf".*fix: transform with example inputs of the size you run"):
+            sharded(input_ids=tiny_inputs(2, length, seed=4)[0])

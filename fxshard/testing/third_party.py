@@ -45,6 +45,11 @@ NOT_INSTALLABLE = {
             "CUDA build that needs libtorch_cuda ('operator torchvision::nms does not exist' on the CPU torch), and "
             "the CPU build is not on PyPI: a working torchvision would move torch to the CUDA build",
     "torchtune CLIP / Llama-3.2-Vision": "torchtune.models.clip imports torchvision (same reason as timm)",
+    "OLMo-core (ai2-olmo-core 3.0.0: Llama, OLMo-2)": "installs next to torch 2.13 with --no-deps, but importing "
+            "olmo_core.nn.transformer needs cached-path, whose import needs google-cloud-storage and boto3 (and "
+            "bettermap, dataclass-extensions); with those stubbed, both capture, also a second time, since the capture "
+            "leaves the model's caches as it found them (its rotary tables, filled on the first call, are reproduced by "
+            "tests/frontend/test_capture_help.py's CachedRotaryLM)",
 }
 
 

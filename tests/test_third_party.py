@@ -77,3 +77,29 @@ def test_sweep_lists():
     assert len(set(chosen)) == len(chosen) and set(chosen) <= set(KNOWN), sorted(set(chosen) - set(KNOWN))
     for c in third_party.all_cases():
         assert not c.refusal or len(c.why) > 40, c.name
+
+
+def litgpt_gqa_plan(mesh, splits=(64, 32, 32)):
+    """litgpt's Llama under GQA (4 query heads, 2 KV groups of 16): its own fused ``qkv`` is
+    ``[q | k | v]`` of 64, 32 and 32 rows, split by ``torch.split``; sharded part by part."""
+    specs = {"transformer.h.*.attn.qkv": fxshard.colwise("tp", splits=list(splits) if splits else None),
+             "transformer.h.*.attn.proj": fxshard.rowwise("tp"),
+             "transformer.h.*.mlp.fc_1": fxshard.colwise("tp"), "transformer.h.*.mlp.fc_2": fxshard.colwise("tp"),
+             "transformer.h.*.mlp.proj": fxshard.rowwise("tp")}
+    return fxshard.Plan(mesh, specs)
+
+
+def test_litgpt_llama_gqa_fused_qkv_part_by_part():
+    """Unequal parts of a fused projection shard part by part, as equal ones do: exact at tp=2 on
+    simulated ranks and on real gloo (logits, every gradient, 2 SGD steps); a plain colwise on the
+    fused weight is refused at its torch.split, naming the parts."""
+    case = _case("litgpt/Llama-3.2")
+    model = case.build()
+    assert (model.config.n_head, model.config.n_query_groups) == (4, 2)
+    kw = case.check_kwargs()
+    inputs = kw.pop("inputs")
+    check_simulated(case.build, litgpt_gqa_plan, inputs, {"tp": 2}, **kw)
+    check_real_cases(2, [Case(case.build, litgpt_gqa_plan, inputs, {"tp": 2}, **kw)])
+    with pytest.raises(fxshard.PlanError, match=r"(?s)torch.split.*into pieces \[64, 32, 32\].*"
+                                                r"colwise\('tp', splits=\[64, 32, 32\]\)"):
+        fxshard.transform(model, litgpt_gqa_plan(fxshard.MeshSpec(("tp",), (2,)), splits=None), kw["example_inputs"])

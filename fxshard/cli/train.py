@@ -23,10 +23,50 @@ def add_parsers(sub) -> None:
     add_export_arguments(sub.add_parser("export", help="a trainer checkpoint as an HF checkpoint (save_pretrained)"))
 
 
+def resolve_auto_mesh(args) -> None:
+    """``--mesh auto``: the best entry of ``fxshard.plan_parallelism`` for this model, process
+    count, ``--seq``, ``--batch`` and ``--memory-gib`` (every rank plans the same, before the
+    process group exists), with the pipeline flags and activation checkpointing it names
+    unless given; ``args`` is updated in place and the choice printed."""
+    import os
+
+    from fxshard.errors import PlanError
+    from fxshard.planner import plan_parallelism
+    from fxshard.trainer.loop import VOCAB_MULTIPLE
+    from fxshard.trainer.models import ModelSource, parse_overrides
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    source = ModelSource.resolve(args.model, parse_overrides(args.model_config), seed=args.seed)
+    source.positions = args.seq
+    model = source.build_meta(source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE))
+    try:
+        entries = plan_parallelism(model, world, memory_gib=args.memory_gib, seq=args.seq, global_batch=args.batch)
+    except PlanError as e:
+        raise TrainerError(f"--mesh auto: the planner refused: {e}") from None
+    best = next((e for e in entries if e.fits), None)
+    if best is None:
+        why = entries[0].reason if entries else "no candidate"
+        raise TrainerError(f"--mesh auto: no mesh of {world} processes fits ({why})\n  fix: more processes or "
+                           f"--memory-gib, a smaller --batch or --seq; python -m fxshard plan lists every candidate")
+    args.mesh = best.mesh_spec
+    if best.mesh.get("pp", 1) > 1:
+        args.microbatches = args.microbatches or best.microbatches
+        args.schedule = args.schedule or best.schedule
+        args.virtual_stages = args.virtual_stages or (best.virtual if best.virtual > 1 else None)
+    args.activation_checkpointing = args.activation_checkpointing or best.activation_checkpointing
+    args.memory_gib = None  # spent: the run itself has no use for it
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"mesh auto: {best.trainer_flags() or 'one process'} (predicted {best.step_time_s:.3g} s a step, "
+              f"{best.memory['total'] / 2**30:.2f} GiB on the fullest rank; python -m fxshard plan lists every "
+              f"candidate)", flush=True)
+
+
 def run_train(args) -> int:
     from fxshard.trainer.loop import run
 
     try:
+        if args.mesh == "auto":
+            resolve_auto_mesh(args)
         return run(args)
     except TrainerError as e:
         print(f"fxshard train: error: {e}", file=sys.stderr, flush=True)

@@ -71,8 +71,9 @@ class Run:
         self.check_flags()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if args.mesh == "auto":
-            self.choose_mesh(world)
-        elif args.memory_gib is not None:
+            raise TrainerError("--mesh auto is resolved by the command line (fxshard.cli.train), before the run\n  fix: "
+                               "python -m fxshard train --mesh auto, or name the mesh")
+        if args.memory_gib is not None:
             raise TrainerError("--memory-gib without --mesh auto: it is the planner's budget\n  fix: --mesh auto, or drop it")
         self.dims = ParallelDims.parse(args.mesh, world)
         if int(os.environ.get("RANK", "0")) == 0:
@@ -89,37 +90,6 @@ class Run:
         self.rank = dist.get_rank() if world > 1 else 0
         self.mesh = self.dims.build_mesh(self.device.type)
         self.log = MetricsLogger(None, self.rank)  # until the resume step is known
-
-    def choose_mesh(self, world: int) -> None:
-        """``--mesh auto``: the best entry of ``fxshard.plan_parallelism`` for this model, world,
-        ``--seq``, ``--batch`` and ``--memory-gib`` (every rank plans the same, before the process
-        group exists); the pipeline flags and activation checkpointing it names unless given."""
-        from fxshard.errors import PlanError
-        from fxshard.planner import plan_parallelism
-
-        a = self.args
-        source = ModelSource.resolve(a.model, parse_overrides(a.model_config), seed=a.seed)
-        source.positions = a.seq
-        model = source.build_meta(source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE))
-        try:
-            entries = plan_parallelism(model, world, memory_gib=a.memory_gib, seq=a.seq, global_batch=a.batch)
-        except PlanError as e:
-            raise TrainerError(f"--mesh auto: the planner refused: {e}") from None
-        best = next((e for e in entries if e.fits), None)
-        if best is None:
-            why = entries[0].reason if entries else "no candidate"
-            raise TrainerError(f"--mesh auto: no mesh of {world} processes fits ({why})\n  fix: more processes or "
-                               f"--memory-gib, a smaller --batch or --seq; python -m fxshard plan lists every candidate")
-        a.mesh = best.mesh_spec
-        if best.mesh.get("pp", 1) > 1:
-            a.microbatches = a.microbatches or best.microbatches
-            a.schedule = a.schedule or best.schedule
-            a.virtual_stages = a.virtual_stages or (best.virtual if best.virtual > 1 else None)
-        a.activation_checkpointing = a.activation_checkpointing or best.activation_checkpointing
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"mesh auto: {best.trainer_flags() or 'one process'} (predicted {best.step_time_s:.3g} s a step, "
-                  f"{best.memory['total'] / 2**30:.2f} GiB on the fullest rank; python -m fxshard plan lists every "
-                  f"candidate)", flush=True)
 
     # ------------------------------------------------------------------ checks before any work
 

@@ -11,7 +11,7 @@ then every rank's loss, output, input and parameter gradients (each rank's shard
 the matching slice) at 2 SGD steps and after them, against one device.
 
 Verdicts: ``exact``; ``PlanError (expected)`` (a refusal the case lists with its reason) or
-``PlanError`` (one it does not: a finding until justified), with its first line; ``internal error`` (a PlanError that says "internal error", or
+``PlanError`` (one it does not: a finding until justified), with its first line; ``internal error`` (an ``fxshard.InternalError``, or
 any other exception); ``wrong`` (a comparison failed; it is rerun in float64 at 1e-9, and ``wrong (float64: exact)`` means
 the float32 difference is summation order: raise the case's tolerance).  ``sharded`` is the share of
 parameter elements the plan shards (a plan that shards nothing is exact for nothing).

@@ -13,7 +13,7 @@ Example::
     sharded = fxshard.transform(model, plan, example_inputs=(tokens,))
     print(fxshard.dump(sharded))
 """
-from fxshard.errors import PlacementMismatchError, PlanError, SignatureMismatchError
+from fxshard.errors import InternalError, PlacementMismatchError, PlanError, SignatureMismatchError
 from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan
 from fxshard.plan.specs import ContextParallel, ModuleSpec, colwise, context_parallel, distributed_norm, rowwise, sequence_parallel, vocab_parallel
@@ -48,7 +48,7 @@ __all__ = [
     "context_parallel", "ContextParallel", "split_sequence", "gather_sequence",
     "trace", "transform", "fully_shard", "compile", "dump", "comm_summary", "explain", "to_json", "to_networkx", "to_dot", "render", "full_state_dict", "load_full_state_dict", "clip_grad_norm_", "grad_norm", "shard_inputs", "no_sync", "checkpoint_blocks", "checkpointed_blocks", "materialize", "load_hf_checkpoint", "save", "load", "latest_checkpoint", "bind_mesh", "bound_mesh", "reduce_over",
     "pipeline", "pipeline_transform", "train_step",
-    "PlanError", "PlacementMismatchError", "SignatureMismatchError",
+    "PlanError", "PlacementMismatchError", "SignatureMismatchError", "InternalError",
     "expert_parallel", "routed_experts", "softmax_topk", "ExpertList", "check_compute_signature",
     "ep_exchange_counts", "ep_dispatch", "ep_combine",
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "global_mean_cross_entropy",

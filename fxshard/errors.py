@@ -1,11 +1,15 @@
-"""Errors fxshard raises for a plan that cannot be carried out.
+"""Errors fxshard raises: PlanError for a plan that cannot be carried out, and
+InternalError for a bug in fxshard itself.
 
-Every message names *where* (module FQN, graph node, source line), *what* (the
-layouts involved, per mesh axis) and *the fix* (the plan change that would work).
+Every PlanError names *where* (module FQN, graph node, source line), *what* (the
+layouts involved, per mesh axis) and *the fix* (the plan change that would work).  An
+InternalError names the pass, the original exception and where it was raised, and asks
+for a report: it is never a PlanError, so nothing takes it for a refusal of the plan.
 """
 from __future__ import annotations
 
 import os
+import traceback
 
 import torch.fx as fx
 
@@ -24,8 +28,57 @@ class PlacementMismatchError(PlanError):
     layout that propagation derived for that value."""
 
 
+class InternalError(RuntimeError):
+    """A bug in fxshard, never a refusal of the plan: an exception other than a
+    PlanError inside a pass or the capture, or a pass that broke the contract of the
+    pass table (``fxshard.transform.PIPELINE``: what it requires and ensures).
+
+    It is not a PlanError on purpose: whoever tries plans and takes a PlanError for "this
+    plan does not fit" (``fxshard.auto_plan``) lets it through, so that a bug never
+    silently changes the plan picked.  ``pass_name``: the pass (or ``"capture"``);
+    ``original``: the exception raised inside it, if any (also ``__cause__``);
+    ``location``: ``file:line, function`` of the innermost frame in fxshard.
+
+    Example::
+
+        try:
+            sharded = fxshard.transform(model, plan, example_inputs=(x,))
+        except fxshard.InternalError as e:   # please report it, with the message
+            print(e.pass_name, e.location, repr(e.original))   # localize localize.py:58, localize KeyError('boom')
+    """
+
+    def __init__(self, pass_name: str, problem: str, *, original: BaseException | None = None, location: str = "",
+                 node: fx.Node | None = None):
+        self.pass_name, self.original, self.location = pass_name, original, location
+        where = "the capture" if pass_name == "capture" else f"pass {pass_name}"
+        lines = [f"internal error in {where}{f' ({location})' if location else ''}: {problem}"]
+        if node is not None:
+            lines.append(f"  node:    `{node.name}` ({target_name(node)}) in module {module_of(node)}")
+            src = source_line(node)
+            if src:
+                lines.append(f"  source:  {src}")
+        lines.append("  this is a bug in fxshard, not a problem with the plan or the model: please report it with this "
+                     "message and the traceback")
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def from_exception(cls, pass_name: str, e: BaseException, node: fx.Node | None = None) -> "InternalError":
+        """The InternalError for ``e`` raised inside ``pass_name``, located at the innermost
+        frame of fxshard's own code in its traceback."""
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if _ours(f.filename)]
+        location = f"{os.path.relpath(frames[-1].filename, _ROOT)}:{frames[-1].lineno}, {frames[-1].name}" if frames else ""
+        return cls(pass_name, f"{type(e).__name__}: {e}", original=e, location=location, node=node)
+
+
 _PKG = os.path.dirname(os.path.abspath(__file__))
-_PASSES = os.path.join(os.path.dirname(_PKG), "passes")
+_ROOT = os.path.dirname(_PKG)
+_PASSES = os.path.join(_ROOT, "passes")
+
+
+def _ours(path: str) -> bool:
+    """A frame of fxshard's package or of its passes."""
+    d = os.path.dirname(os.path.abspath(path))
+    return d == _PKG or d.startswith(_PKG + os.sep) or d == _PASSES
 
 
 def _internal(path: str) -> bool:

@@ -10,7 +10,7 @@ field              meaning                                             written b
 ``value``          :class:`TensorInfo` / :class:`SizeInfo` / tuple      propagate
 ``rule``           name of the layout rule that produced ``value``     propagate
 ``redistribute``   ``(src, dst)`` layouts on a boundary marker         propagate
-``rewrite``        name of a specialized rewrite the node needs        propagate
+``rewrite``        :class:`Rewrite`: a graph rewrite the node needs    propagate (the layout rules)
 ``collective``     :class:`Collective` on a communication node         redistribute, insert_grad_syncs,
                                                                        bucket_grad_syncs
 =================  ==================================================  =============
@@ -39,8 +39,7 @@ context-parallel axes a mean loss is taken over (``global_mean_loss``, ``loss_pa
 ``extra["distributed_norm"]`` (written by ``regions``, read by ``distributed_norm_statistics``): the
 axis of the ``fxshard.distributed_norm`` module around a node; that pass's statistic
 markers are ``region_output`` nodes whose :class:`Boundary` has kind ``"statistic"``.
-``rewrite`` values: ``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
-``global_mean``, ``context_parallel``, ``arange_offset``, ``narrow_positions``.
+``rewrite`` is a :class:`Rewrite`: each value names the one pass that acts on it.
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).
@@ -49,6 +48,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 import torch
@@ -147,6 +147,43 @@ class Collective:
     purpose: str = ""  # e.g. "redistribute layers.0.attention.wo output" / "grad sync"
 
 
+class Rewrite(StrEnum):
+    """A graph rewrite a layout rule asks for (``NodeInfo.rewrite``), and the pass that makes it.
+
+    A layout rule decides layouts and never edits the graph.  Where the layout it decides
+    is right only once the graph changes (the bias of a row-parallel linear added after
+    the reduction, a lookup into a vocab-sharded table masked), the rule asks for the
+    change by name (``ctx.request_rewrite``) and the pass in ``pass_name`` makes it; the
+    rule is the one place that knows *when*, the pass the one that knows *how*.  Every
+    value is acted on by exactly that pass, whose row in ``fxshard.transform.PIPELINE``
+    ensures no request of its kind is left (``tests/test_transform.py`` checks that every
+    value written is a member, asked for by a rule, and read by its pass).  A member is a
+    ``str``: ``info(node).rewrite == "defer_bias"`` holds.
+
+    Example::
+
+        if info(node).rewrite == Rewrite.DEFER_BIAS:    # in passes/defer_bias.py
+            ...
+        Rewrite.DEFER_BIAS.pass_name                    # "defer_bias"
+    """
+
+    def __new__(cls, value: str, pass_name: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.pass_name = pass_name
+        return member
+
+    # NAME = value, the pass that acts on it  # the rule that asks for it (fxshard/layout/op_rules/), and when
+    DEFER_BIAS = "defer_bias", "defer_bias"  # matmul.linear: a Partial output with a bias
+    VOCAB_PARALLEL_EMBEDDING = "vocab_parallel_embedding", "vocab_parallel_embedding"  # indexing.embedding: Shard(0) table
+    LOSS_PARALLEL = "loss_parallel", "loss_parallel"  # reductions.softmax (log), reductions.cross_entropy: sharded classes
+    GLOBAL_MEAN = "global_mean", "global_mean_loss"  # reductions.cross_entropy: a mean over a context-parallel axis
+    CONTEXT_PARALLEL = "context_parallel", "context_parallel_attention"  # attention.sdpa: q/k/v sharded on the sequence
+    ARANGE_OFFSET = "arange_offset", "localize"  # factories.factory: arange(n) of a sharded size, this rank's positions
+    NARROW_POSITIONS = "narrow_positions", "localize"  # reshapes.narrow: a table narrowed to a context-parallel length
+    WINDOW_ROWS = "window_rows", "localize"  # attention.sliding_window_mask: this rank's rows of the mask
+
+
 @dataclass
 class NodeInfo:
     region: str | None = None
@@ -154,7 +191,7 @@ class NodeInfo:
     value: Any = None
     rule: str | None = None
     redistribute: tuple[dict, dict] | None = None
-    rewrite: str | None = None
+    rewrite: Rewrite | None = None
     collective: Collective | None = None
     extra: NodeExtra = field(default_factory=dict)  # type: ignore[assignment]
 

@@ -3,7 +3,11 @@
 Every pass is ``pass_(gm, ctx) -> None``: it rewrites the graph in place, reading the
 plan only through the :class:`~fxshard.meta.PassContext` built once from it, and talks
 to later passes only through the ``node.meta`` contract of :mod:`fxshard.meta`.  Each
-row says what its pass reads and writes; the pass's module docstring says it in full.
+row names the facts of that contract its pass *requires* of the graph and *ensures*
+for later ones (as ``torch.fx.passes.infra.pass_base.PassBase.requires/ensures``); the
+runner checks them before and after the pass, and a broken one is an
+:class:`~fxshard.errors.InternalError` naming the pass.  The pass's module docstring
+says in full what it reads and writes.
 
 Example (stop after a pass, time every pass)::
 
@@ -18,25 +22,27 @@ import contextlib
 import copy
 import gc
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
-from fxshard.errors import PlanError
+from fxshard.errors import InternalError, PlanError, target_name
 from fxshard.frontend.capture import flat_inputs
 from fxshard.frontend.static_sizes import guard_static_input_sizes
 from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
-from fxshard.meta import KEY, PassContext
+from fxshard.markers import is_marker
+from fxshard.meta import KEY, PassContext, Rewrite, TensorInfo
+from fxshard.runtime import collectives
 from fxshard.plan.plan import Plan
 from fxshard.training.batch import guard_equal_pieces
 from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
 from fxshard.state.module_state import add_missing_state, graph_attribute_tensors, named_state
 from fxshard.passes.outline_regions import outline_regions
-from fxshard.passes.record_shapes import record_shapes
+from fxshard.passes.record_shapes import makes_tensor, record_shapes
 from fxshard.passes.functionalize_leaves import functionalize_leaves
 from fxshard.passes.regions import regions
 from fxshard.passes.replicate_heads import replicate_heads
@@ -62,18 +68,95 @@ from fxshard.passes.register_program import register_program
 
 
 @dataclass(frozen=True)
-class Pass:
-    """One row of the pipeline: a pass, what it reads and writes, and when it runs.
+class Fact:
+    """A fact of the ``node.meta`` contract that a pass requires of the graph before it
+    runs, or ensures for later passes.  ``broken(gm)`` is None when the fact holds, else
+    what breaks it, naming a node; it reads the graph once, cheaply."""
 
-    ``when``: runs only if ``when(ctx)`` (``None``: always).  ``per_rank``: runs under
-    the caller's simulated ranks (``LocalTensorMode``), because it makes per-rank values
-    (the bound mesh, each rank's shards); every other pass sees one global graph.
+    name: str
+    broken: Callable[[fx.GraphModule], str | None]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _first(gm: fx.GraphModule, wrong: Callable[[fx.Node], bool], what: str) -> str | None:
+    node = next((n for n in gm.graph.nodes if wrong(n)), None)
+    return None if node is None else f"node `{node.name}` ({target_name(node)}) {what}"
+
+
+def _info(n: fx.Node):
+    return n.meta.get(KEY)
+
+
+def _holds_tensor(n: fx.Node) -> bool:
+    return n.op != "output" and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+# the predicates test the common case first: a walk of a 1,000-node graph takes about a millisecond
+def _unshaped(n: fx.Node) -> bool:
+    return "val" not in n.meta and makes_tensor(n)
+
+
+def _undeclared(n: fx.Node) -> bool:
+    planned = n.op == "get_attr" or n.op == "placeholder" and _holds_tensor(n)
+    return planned and getattr(_info(n), "declared", None) is None
+
+
+def _without_layout(n: fx.Node) -> bool:
+    if isinstance(getattr(_info(n), "value", None), TensorInfo):
+        return False
+    return n.op == "get_attr" or _holds_tensor(n)
+
+
+_COMMUNICATING = frozenset((collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather, collectives.shard,
+                            collectives.all_to_all, collectives.grad_sync, collectives.grad_sync_bucket))
+
+
+def _unexplained_collective(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _COMMUNICATING and getattr(_info(n), "collective", None) is None
+
+
+SHAPES = Fact("val", lambda gm: _first(gm, _unshaped, "has no meta['val'] (its global fake value)"))
+DECLARED = Fact("declared", lambda gm: _first(gm, _undeclared, "is a parameter, buffer or input without its declared layout "
+                                                               "(NodeInfo.declared)"))
+LAYOUTS = Fact("value", lambda gm: _first(gm, _without_layout, "holds a tensor but has no layout (NodeInfo.value)"))
+MARKERS_GONE = Fact("no markers", lambda gm: _first(gm, is_marker, "is a region marker left in the graph"))
+COLLECTIVES = Fact("collective", lambda gm: _first(gm, _unexplained_collective,
+                                                   "communicates but does not say what (NodeInfo.collective)"))
+
+
+def rewritten(*rewrites: Rewrite) -> Fact:
+    """No node still asks for one of ``rewrites``: the pass that acts on them has."""
+
+    def asks(n: fx.Node) -> bool:
+        rewrite = getattr(_info(n), "rewrite", None)
+        return rewrite is not None and rewrite in rewrites
+
+    names = "/".join(rewrites)
+    return Fact(f"rewrite {names} done", lambda gm: _first(gm, asks, f"still asks for rewrite {names} (NodeInfo.rewrite)"))
+
+
+def program(key: str) -> Fact:
+    """``gm.meta[key]`` is set (program state, :class:`fxshard.meta.ProgramMeta`)."""
+    return Fact(f"gm.meta[{key!r}]", lambda gm: None if key in gm.meta else f"gm.meta[{key!r}] is not set")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One row of the pipeline: a pass, the facts it requires and ensures, and when it runs.
+
+    ``requires`` / ``ensures``: :class:`Fact` s checked before and after the pass (an
+    InternalError names the pass that broke one).  ``when``: runs only if ``when(ctx)``
+    (``None``: always).  ``per_rank``: runs under the caller's simulated ranks
+    (``LocalTensorMode``), because it makes per-rank values (the bound mesh, each rank's
+    shards); every other pass sees one global graph.
     """
 
     name: str
     run: Callable[[fx.GraphModule, PassContext], None]
-    reads: str
-    writes: str
+    requires: tuple[Fact, ...] = ()
+    ensures: tuple[Fact, ...] = ()
     when: Callable[[PassContext], bool] | None = None
     per_rank: bool = False
 
@@ -88,36 +171,38 @@ def _splits_blocks(ctx: PassContext) -> bool:
 
 PIPELINE: tuple[Pass, ...] = (
     # -- the captured graph, with global shapes --------------------------------------------------------
-    Pass("outline_regions", outline_regions, "nn_module_stack; plan: local regions", "region sub-GraphModules"),
-    Pass("record_shapes", record_shapes, "ctx.example_inputs", "meta['val'] (global fake tensors)"),
+    Pass("outline_regions", outline_regions),
+    Pass("record_shapes", record_shapes, ensures=(SHAPES,)),
     # -- the plan, onto the graph ----------------------------------------------------------------------
-    Pass("functionalize_leaves", functionalize_leaves, "leaf call_modules; plan", "F.* calls, region markers"),
-    Pass("regions", regions, "nn_module_stack, markers; plan", "region, declared; extra: splits, heads, pattern, cp, norm"),
-    Pass("replicate_heads", replicate_heads, "extra['heads']", "KV heads stored once per sharing rank; extra['head_replicas']"),
-    Pass("distributed_norm_statistics", distributed_norm_statistics, "extra['distributed_norm']", "statistic markers"),
+    Pass("functionalize_leaves", functionalize_leaves),
+    Pass("regions", regions, ensures=(DECLARED,)),
+    Pass("replicate_heads", replicate_heads, requires=(SHAPES, DECLARED)),
+    Pass("distributed_norm_statistics", distributed_norm_statistics, requires=(SHAPES,)),
     # -- layouts ---------------------------------------------------------------------------------------
-    Pass("propagate", propagate, "declared, meta['val']", "value, rule, redistribute, rewrite; extra['mean_axes']"),
-    # -- the per-rank program --------------------------------------------------------------------------
-    Pass("localize", localize, "value (SizeInfo), rewrite", "local sizes, positions"),
-    Pass("context_parallel_attention", context_parallel_attention, "rewrite == 'context_parallel'", "gathered k/v or ring attention"),
-    Pass("local_regions", local_regions, "declared (LocalRegion)", "carved sub-GraphModules; extra['region'], extra['local']"),
-    Pass("expert_all_to_all", expert_all_to_all, "LocalRegion.experts", "dispatch/combine all-to-alls; extra['expert_parallel']"),
-    Pass("defer_bias", defer_bias, "rewrite == 'defer_bias'", "bias after the reduction"),
-    Pass("vocab_parallel_embedding", vocab_parallel_embedding, "rewrite", "masked lookups"),
-    Pass("loss_parallel", loss_parallel, "rewrite, extra['mean_axes']", "vocab-parallel losses"),
-    Pass("global_mean_loss", global_mean_loss, "rewrite == 'global_mean'", "global-mean cross-entropy"),
+    Pass("propagate", propagate, requires=(SHAPES, DECLARED), ensures=(LAYOUTS,)),
+    # -- the per-rank program: rewrites the layout rules asked for (fxshard.meta.Rewrite) -----------------
+    Pass("localize", localize, requires=(LAYOUTS,),
+         ensures=(rewritten(Rewrite.ARANGE_OFFSET, Rewrite.NARROW_POSITIONS, Rewrite.WINDOW_ROWS),)),
+    Pass("context_parallel_attention", context_parallel_attention, requires=(LAYOUTS,),
+         ensures=(rewritten(Rewrite.CONTEXT_PARALLEL), COLLECTIVES)),
+    Pass("local_regions", local_regions, requires=(LAYOUTS,), ensures=(COLLECTIVES,)),
+    Pass("expert_all_to_all", expert_all_to_all, requires=(LAYOUTS,), ensures=(COLLECTIVES,)),
+    Pass("defer_bias", defer_bias, requires=(LAYOUTS,), ensures=(rewritten(Rewrite.DEFER_BIAS), COLLECTIVES)),
+    Pass("vocab_parallel_embedding", vocab_parallel_embedding, requires=(LAYOUTS,),
+         ensures=(rewritten(Rewrite.VOCAB_PARALLEL_EMBEDDING),)),
+    Pass("loss_parallel", loss_parallel, requires=(LAYOUTS,), ensures=(rewritten(Rewrite.LOSS_PARALLEL),)),
+    Pass("global_mean_loss", global_mean_loss, ensures=(rewritten(Rewrite.GLOBAL_MEAN),)),
     # -- communication ---------------------------------------------------------------------------------
-    Pass("redistribute", redistribute, "redistribute on markers", "collectives; collective"),
-    Pass("insert_grad_syncs", insert_grad_syncs, "value; extra['head_replicas']", "grad_sync calls; collective"),
-    Pass("check_fsdp_axis", check_fsdp_axis, "value, collective", "nothing (refuses)", when=_under_fsdp),
-    Pass("bucket_grad_syncs", bucket_grad_syncs, "grad_sync calls", "grad_sync_bucket calls; collective"),
+    Pass("redistribute", redistribute, requires=(LAYOUTS,), ensures=(MARKERS_GONE, COLLECTIVES)),
+    Pass("insert_grad_syncs", insert_grad_syncs, requires=(LAYOUTS, COLLECTIVES), ensures=(COLLECTIVES,)),
+    Pass("check_fsdp_axis", check_fsdp_axis, requires=(LAYOUTS, COLLECTIVES), when=_under_fsdp),
+    Pass("bucket_grad_syncs", bucket_grad_syncs, requires=(COLLECTIVES,), ensures=(COLLECTIVES,)),
     # -- the program on this rank ----------------------------------------------------------------------
-    Pass("bind_runtime", bind_runtime, "ctx.mesh", "bound mesh, process groups; gm.meta mesh, cp", per_rank=True),
-    Pass("shard_state", shard_state, "value of get_attr", "local shards; gm.meta state, blocks, heads", per_rank=True),
-    Pass("cleanup", cleanup, "collective", "dead code gone; gm.code", per_rank=True),
-    Pass("split_blocks", split_blocks, "nn_module_stack", "block sub-GraphModules; gm.meta fsdp_units", when=_splits_blocks,
-         per_rank=True),
-    Pass("register_program", register_program, "parameters", "parameter registry; FSDP2 guard", per_rank=True),
+    Pass("bind_runtime", bind_runtime, ensures=(program("fxshard_mesh"),), per_rank=True),
+    Pass("shard_state", shard_state, requires=(LAYOUTS,), ensures=(program("fxshard_state"),), per_rank=True),
+    Pass("cleanup", cleanup, requires=(COLLECTIVES,), per_rank=True),
+    Pass("split_blocks", split_blocks, ensures=(program("fxshard_fsdp_units"),), when=_splits_blocks, per_rank=True),
+    Pass("register_program", register_program, per_rank=True),
 )
 
 PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PIPELINE)
@@ -193,16 +278,29 @@ def transform(gm_or_module: fx.GraphModule | nn.Module, plan: Plan, example_inpu
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, *, stop_after: str | None = None,
                  timings: dict[str, float] | None = None) -> fx.GraphModule:
     """Run the passes of :data:`PIPELINE` on ``gm`` in order (in place), up to and including
-    ``stop_after``.  An exception other than a PlanError inside a pass becomes a PlanError
-    that names the pass."""
+    ``stop_after``, checking what each requires before it and ensures after it.  An
+    exception other than a PlanError inside a pass, or a fact it broke, is an
+    :class:`~fxshard.errors.InternalError` that names the pass."""
     for p in PIPELINE:
         if p.when is None or p.when(ctx):
             scope = contextlib.nullcontext() if p.per_rank else maybe_disable_local_tensor_mode()
-            with scope, _attributed_to(p.name), _timed(p.name, timings):
-                p.run(gm, ctx)
+            with scope, _timed(p.name, timings):
+                _check(gm, p, p.requires, "requires")
+                with _attributed_to(p.name):
+                    p.run(gm, ctx)
+                _check(gm, p, p.ensures, "ensures")
         if p.name == stop_after:
             break
     return gm
+
+
+def _check(gm: fx.GraphModule, p: Pass, facts: tuple[Fact, ...], verb: str) -> None:
+    for fact in facts:
+        broken = fact.broken(gm)
+        if broken is not None:
+            when = "before it runs" if verb == "requires" else "after it ran"
+            raise InternalError(p.name, f"it {verb} {fact.name!r} (fxshard.transform.PIPELINE), which {when} does not "
+                                        f"hold: {broken}")
 
 
 @contextlib.contextmanager
@@ -217,17 +315,15 @@ def _timed(name: str, timings: dict[str, float] | None):
 
 @contextlib.contextmanager
 def _attributed_to(name: str):
-    """No exception but PlanError leaves ``transform``: a failure inside a pass is
-    reported as one, naming the pass and the line (``propagate`` names the node itself)."""
+    """A PlanError leaves ``transform`` as it is: the plan does not fit.  Any other
+    exception inside a pass (or the capture) is a bug in fxshard, an InternalError
+    naming the pass and the line (``propagate`` names the node itself)."""
     try:
         yield
-    except PlanError:
+    except (PlanError, InternalError):
         raise
     except Exception as e:
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/passes/" in f.filename or "/fxshard/" in f.filename]
-        where = f" ({frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}, {frames[-1].name})" if frames else ""
-        raise PlanError(f"internal error in {'the ' if name == 'capture' else 'pass '}{name}{where}: {type(e).__name__}: {e}\n"
-                        f"  fix: this is a bug in fxshard, please report it with this message") from e
+        raise InternalError.from_exception(name, e) from e
 
 
 @contextlib.contextmanager

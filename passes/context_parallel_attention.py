@@ -2,7 +2,7 @@
 
 Inside a module the plan declares context-parallel (:func:`fxshard.context_parallel`)
 ``propagate`` lets ``scaled_dot_product_attention`` take q/k/v sharded on the
-sequence dim (``rewrite == "context_parallel"``).  Every rank holds the queries of
+sequence dim (``rewrite == Rewrite.CONTEXT_PARALLEL``).  Every rank holds the queries of
 its own positions; this pass gives them the keys of the whole sequence:
 
 * ``method="allgather"``: ``k`` and ``v`` are all-gathered along the sequence
@@ -18,7 +18,7 @@ picked.  On a load-balanced axis every sequence-sharded value holds chunks ``i``
 and ``2n-1-i``; a plan redistribution of such a value (a gather or a chunk on that
 axis) would put rows in the wrong order and is refused.
 
-Reads:  ``.rewrite == "context_parallel"``, ``.extra["context_parallel"]``, ``.value``,
+Reads:  ``.rewrite == Rewrite.CONTEXT_PARALLEL``, ``.extra["context_parallel"]``, ``.value``,
         ``.redistribute``.
 Writes: the attention node's target and arguments; new ``all_gather`` nodes with
         ``.collective``; ``.collective`` on ``ring_attention``; ``.value`` of new nodes.
@@ -33,7 +33,7 @@ from fxshard.runtime import collectives
 from fxshard.runtime.context_parallel_ops import context_parallel_mask, local_positions, ring_attention
 from fxshard.errors import PlanError, node_error
 from fxshard.layout.placements import fmt_layout, local_shape
-from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import Collective, Rewrite, TensorInfo, info
 from fxshard.meta import PassContext
 
 
@@ -46,7 +46,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> None:
     _refuse_reorders(gm, {a for a, cp in cp_axes.items() if cp.load_balance})
     done = set()
     for node in list(gm.graph.nodes):
-        if info(node).rewrite != "context_parallel":
+        if info(node).rewrite != Rewrite.CONTEXT_PARALLEL:
             continue
         cp = info(node).extra["context_parallel"]
         args = _bound(node)

@@ -6,7 +6,7 @@ reduction would sum it N times.  The linear becomes ``linear(x, w)``, the reduct
 one device, so the output and the bias gradient are exact.  When the reduction is a
 reduce-scatter onto the bias dim, the bias is sliced to the local shard first.
 
-Reads:  ``.rewrite == "defer_bias"`` on linear nodes, ``.redistribute`` and ``.value``
+Reads:  ``.rewrite == Rewrite.DEFER_BIAS`` on linear nodes, ``.redistribute`` and ``.value``
         of the boundary marker that consumes them.
 Writes: moves the bias; the new ``add`` (and slice) nodes get ``.value``/``.rule``.
 """
@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Shard
 from fxshard.runtime import collectives
 from fxshard.markers import region_output
 from fxshard.errors import node_error
-from fxshard.meta import Collective, TensorInfo, info
+from fxshard.meta import Collective, Rewrite, TensorInfo, info
 from fxshard.meta import PassContext
 
 
@@ -47,7 +47,7 @@ def _boundary_after_views(node: fx.Node, ndim: int) -> fx.Node | None:
 def defer_bias(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Move biases of Partial-output linears after their reduction (in place)."""
     for node in list(gm.graph.nodes):
-        if info(node).rewrite != "defer_bias":
+        if info(node).rewrite != Rewrite.DEFER_BIAS:
             continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         out = info(node).value
@@ -81,5 +81,6 @@ def defer_bias(gm: fx.GraphModule, ctx: PassContext) -> None:
         info(add).rule = "deferred bias"
         info(add).region = info(node).region
         add.meta["val"] = marker.meta.get("val")
+        info(node).rewrite = None  # done (the row's ensures checks that none is left)
     gm.graph.lint()
     return

@@ -9,7 +9,7 @@ the rule) becomes ``fxshard.global_mean_cross_entropy(logits, target, axes, ...)
 the local sum and the local count, each summed over the axes, then divided.  The
 result is Replicate there.  Logits sharded on the vocab too are ``loss_parallel``'s.
 
-Reads:  ``.rewrite == "global_mean"``, ``.extra["mean_axes"]``.
+Reads:  ``.rewrite == Rewrite.GLOBAL_MEAN``, ``.extra["mean_axes"]``.
 Writes: retargets those nodes; ``.rule``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fxshard.errors import node_error
 from fxshard.runtime.loss import global_mean_cross_entropy
-from fxshard.meta import info
+from fxshard.meta import Rewrite, info
 from fxshard.meta import PassContext
 
 _NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
@@ -28,7 +28,7 @@ _NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
 def global_mean_loss(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Rewrite mean losses over sequence-sharded tokens (in place)."""
     for node in gm.graph.nodes:
-        if info(node).rewrite != "global_mean":
+        if info(node).rewrite != Rewrite.GLOBAL_MEAN:
             continue
         a = dict(zip(_NAMES, node.args))
         a.update(node.kwargs)

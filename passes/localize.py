@@ -9,10 +9,10 @@ Reads:  ``.value`` (TensorInfo of results, SizeInfo of runtime sizes).
 Writes: the size arguments of ``view``/``reshape``/``expand``/``unflatten``/
         ``new_*`` nodes and of ``split`` along a fused projection's sharded dim,
         run-time bounds of slices and ``narrow``; after ``arange(n)`` of a sharded
-        size (``rewrite == "arange_offset"``) an ``add`` of this rank's offset (its
+        size (``Rewrite.ARANGE_OFFSET``) an ``add`` of this rank's offset (its
         ``.value`` that of the arange), or on a load-balanced context-parallel axis
         ``fxshard.local_positions``; ``table.narrow(0, 0, S)`` of a context-parallel
-        length (``rewrite == "narrow_positions"``) becomes ``table.index_select(0,
+        length (``Rewrite.NARROW_POSITIONS``) becomes ``table.index_select(0,
         local_positions(...))``.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fxshard.runtime import collectives
 from fxshard.errors import node_error
 from fxshard.layout.placements import uneven_dims
 from fxshard.layout.op_rules import piece_sizes, view_groups
-from fxshard.meta import SizeInfo, TensorInfo, info
+from fxshard.meta import Rewrite, SizeInfo, TensorInfo, info
 from fxshard.meta import PassContext
 
 _SIZED_METHODS = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full"}
@@ -55,10 +55,12 @@ def localize(gm: fx.GraphModule, ctx: PassContext) -> None:
     an offset range."""
     axes, load_balanced = ctx.axes, ctx.load_balanced
     for node in list(gm.graph.nodes):
-        if info(node).rewrite == "narrow_positions":
+        if info(node).rewrite == Rewrite.NARROW_POSITIONS:
+            info(node).rewrite = None
             _narrow_positions(gm.graph, node, load_balanced)
             continue
-        if info(node).rewrite == "window_rows":
+        if info(node).rewrite == Rewrite.WINDOW_ROWS:
+            info(node).rewrite = None
             _window_rows(gm.graph, node, load_balanced)
             continue
         if node.target == "split" or node.target is torch.split:
@@ -73,7 +75,8 @@ def localize(gm: fx.GraphModule, ctx: PassContext) -> None:
         out = info(node).value
         if not isinstance(out, TensorInfo):
             continue
-        if info(node).rewrite == "arange_offset":
+        if info(node).rewrite == Rewrite.ARANGE_OFFSET:
+            info(node).rewrite = None
             _arange_offset(gm.graph, node, out, load_balanced, axes)
             continue
         if node.op == "call_method" and node.target == "unflatten" or node.target is torch.unflatten:

@@ -7,7 +7,7 @@ becomes ``fxshard.vocab_parallel_cross_entropy(logits, target, axis, ...)``;
 ``fxshard.vocab_parallel_nll_loss``.  Only scalar-per-token values are reduced over
 the axis (max, sum of exponentials, target logit); no node holds full-vocab logits.
 
-Reads:  ``.rewrite == "loss_parallel"``, ``.value`` of the logits.
+Reads:  ``.rewrite == Rewrite.LOSS_PARALLEL``, ``.value`` of the logits.
 Writes: retargets those nodes; ``.rule``.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 
 from fxshard.errors import node_error
 from fxshard.runtime.loss import vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
-from fxshard.meta import info
+from fxshard.meta import Rewrite, info
 from fxshard.meta import PassContext
 
 
@@ -45,7 +45,7 @@ def loss_parallel(gm: fx.GraphModule, ctx: PassContext) -> None:
     unequal ``torch.chunk`` pieces)."""
     axes = ctx.axes
     for node in gm.graph.nodes:
-        if info(node).rewrite != "loss_parallel":
+        if info(node).rewrite != Rewrite.LOSS_PARALLEL:
             continue
         target = node.target
         if target is F.cross_entropy or target is F.nll_loss:

@@ -3,15 +3,14 @@
 Every value gets its layout per mesh axis, global and local shape.  Layouts enter at
 graph inputs (``Plan(inputs=...)``) and parameters (``params``) and change *only* at
 the boundary markers where the plan declares them; everywhere else the rule table
-(:mod:`fxshard.rules`) derives the output layout from the inputs or raises a
+(:mod:`fxshard.layout.op_rules`) derives the output layout from the inputs or raises a
 PlanError that names the node and the plan change that would fix it.  fxshard never
 inserts communication the plan did not ask for.
 
 Reads:  ``node.meta["val"]`` (global fake values), ``node.meta["fxshard"].declared``.
 Writes: ``.value`` (TensorInfo / SizeInfo / tuple), ``.rule``, ``.redistribute`` on
-        boundary markers whose layout changes, ``.rewrite`` on nodes a specialized
-        pass must rewrite (``defer_bias``, ``vocab_parallel_embedding``, ``loss_parallel``,
-        ``context_parallel``, ``global_mean_loss``, ``localize``'s positions).
+        boundary markers whose layout changes, ``.rewrite`` (a :class:`fxshard.meta.Rewrite`)
+        on nodes whose layout holds once the pass it names has rewritten them.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard.markers import region_input, region_output
-from fxshard.errors import PlacementMismatchError, PlanError, node_error
+from fxshard.errors import InternalError, PlacementMismatchError, PlanError, node_error
 from fxshard.layout.placements import fmt_layout, is_replicate, local_shape, normalize
 from fxshard.meta import KEY, LocalRegion, PassContext, TensorInfo, info
 from fxshard.layout.dtensor_rules import dtensor_layout
@@ -44,10 +43,8 @@ def propagate(gm: fx.GraphModule, ctx: PassContext) -> None:
             _propagate_node(gm, node, axes, fsdp_axes, cp_axes, measured)
         except PlanError:
             raise
-        except Exception as e:  # a rule's own failure is reported at the node it failed on
-            raise node_error(node, f"internal error while deriving this node's layout: {type(e).__name__}: {e}",
-                             "this is a bug in fxshard, please report it with this message; meanwhile make this "
-                             "op's inputs Replicate in the plan") from e
+        except Exception as e:  # a rule's own failure: a bug, reported at the node it failed on
+            raise InternalError.from_exception("propagate", e, node=node) from e
     return
 
 

@@ -37,8 +37,9 @@ def record_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
 def makes_tensor(n: fx.Node) -> bool:
     """Must ``n`` carry a recorded ``val``?  Shape recording (FakeTensorProp) leaves none on
     values without a shape: a tensor's ``.device``/``.dtype`` (``torch.arange(T,
-    device=ids.device)``) and a placeholder left at its non-tensor default (``targets=None``)."""
-    if n.op in ("output", "get_attr"):
+    device=ids.device)``), a placeholder left at its non-tensor default (``targets=None``),
+    and a call that returns None, which nothing reads (timm's input check ``torch._assert``)."""
+    if n.op in ("output", "get_attr") or n.op.startswith("call_") and not n.users:
         return False
     if n.op == "call_function" and n.target is builtins.getattr and len(n.args) > 1 and n.args[1] in _NON_TENSOR_ATTRS:
         return False

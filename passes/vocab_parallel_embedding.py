@@ -10,7 +10,7 @@ buffer ``<module>.vocab_start``, itself sharded ``Shard(0)`` over the axis, so t
 generated code is the same on every rank and ``state_dict`` keys do not change.
 ``padding_idx`` keeps its meaning: the row is looked up, its gradient is dropped.
 
-Reads:  ``.rewrite == "vocab_parallel_embedding"``, ``.value``.
+Reads:  ``.rewrite == Rewrite.VOCAB_PARALLEL_EMBEDDING``, ``.value``.
 Writes: the masked lookup nodes with ``.value``; the ``vocab_start`` buffer.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxshard.errors import node_error
 from fxshard.layout.placements import local_shape
 from fxshard.state.shards import chunk_range
-from fxshard.meta import TensorInfo, info
+from fxshard.meta import Rewrite, TensorInfo, info
 from fxshard.meta import PassContext
 
 
@@ -33,7 +33,7 @@ def vocab_parallel_embedding(gm: fx.GraphModule, ctx: PassContext) -> None:
     axes = ctx.axes
     graph = gm.graph
     for node in list(graph.nodes):
-        if info(node).rewrite != "vocab_parallel_embedding":
+        if info(node).rewrite != Rewrite.VOCAB_PARALLEL_EMBEDDING:
             continue
         ids, weight = node.args[0], node.args[1]
         w: TensorInfo = info(weight).value

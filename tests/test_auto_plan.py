@@ -284,3 +284,37 @@ def test_hf_encoder_attention_and_mlp_are_sharded(family):
     for pattern in ("attention.output.dense", "output.dense"):
         assert plan.specs[layer + pattern] == fxshard.rowwise(), (pattern, plan)
     assert "embeddings.word_embeddings" in plan.left_whole and "embeddings.position_embeddings" in plan.left_whole
+
+
+class _CheckedVit(TinyVit):
+    """timm's VisionTransformer checks its input size in PatchEmbed with ``torch._assert``."""
+
+    def forward(self, x):
+        torch._assert(x.shape[1] == 8, "the model takes 8 patches")
+        return super().forward(x)
+
+
+def test_vit_checking_its_input_size_is_planned():
+    """The ``torch._assert`` node returns None, so it has no recorded value: every candidate
+    transform used to be refused ("this GraphModule has no recorded shapes"), and timm's
+    VisionTransformer at tp=2 and tp=4 came back "found nothing it can shard"."""
+    for n in (2, 4):
+        plan = fxshard.auto_plan(_CheckedVit(), MeshSpec(("tp",), (n,)), (PATCHES,), vocab=False)
+        assert {"blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.0", "blocks.*.mlp.4"} <= set(plan.specs), plan
+
+
+def test_an_internal_error_is_raised_not_counted_as_a_refusal(monkeypatch):
+    """A bug inside a pass says nothing about the plan: auto_plan raises it rather than
+    picking another plan (or none) without it."""
+    import dataclasses
+    import importlib
+
+    def broken(gm, ctx):
+        raise KeyError("boom")
+
+    module = importlib.import_module("fxshard.transform")  # the module: fxshard.transform is the function
+    monkeypatch.setattr(module, "PIPELINE", tuple(dataclasses.replace(p, run=broken) if p.name == "localize" else p
+                                                  for p in module.PIPELINE))
+    with pytest.raises(fxshard.InternalError, match=r"internal error in pass localize .*KeyError: 'boom'") as e:
+        fxshard.auto_plan(tiny_vit(), MESH, (PATCHES,), vocab=False)
+    assert not isinstance(e.value, PlanError)

@@ -3,6 +3,7 @@ the input GraphModule left exactly as it was."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -201,3 +202,63 @@ def test_traced_graph_with_recorded_shapes_needs_no_example_inputs():
 def test_graph_without_recorded_shapes_is_refused():
     with pytest.raises(PlanError, match=r"no recorded shapes: pass example_inputs="):
         fxshard.transform(torch.fx.symbolic_trace(gpt2()), Plan(tp(), {}))
+
+
+class _CheckedInput(torch.nn.Module):
+    """Checks its input size with ``torch._assert``, as timm's PatchEmbed does: fx records a
+    node that returns None, and FakeTensorProp records no value for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        torch._assert(x.shape[-1] == 32, "the model takes 32 features")
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_traced_graph_with_a_node_returning_none_needs_no_example_inputs():
+    """A node nothing reads (``torch._assert``) needs no recorded value: its graph used to
+    be refused as one without recorded shapes (auto_plan then refused every candidate)."""
+    plan = Plan(tp(), {"fc1": colwise(), "fc2": rowwise()})
+    gm = fxshard.trace(_CheckedInput(), plan, example_inputs=(X,))
+    assert any(n.target is torch._assert and "val" not in n.meta for n in gm.graph.nodes)
+    assert fxshard.transform(gm, plan).code == fxshard.transform(gm, plan, example_inputs=(X,)).code
+
+
+def _broken_pass(monkeypatch, name: str, run) -> None:
+    import importlib
+
+    module = importlib.import_module("fxshard.transform")  # the module: fxshard.transform is the function
+    rows = tuple(dataclasses.replace(p, run=run) if p.name == name else p for p in module.PIPELINE)
+    monkeypatch.setattr(module, "PIPELINE", rows)
+
+
+def test_an_exception_inside_a_pass_is_an_internal_error_not_a_plan_error(monkeypatch):
+    from fxshard.passes.localize import localize
+
+    def broken(gm, ctx):
+        localize(gm, dataclasses.replace(ctx, axes={}))  # a KeyError deep inside the real pass
+
+    _broken_pass(monkeypatch, "localize", broken)
+    with pytest.raises(fxshard.InternalError) as e:
+        fxshard.transform(llama(n_layers=1), Plan(tp(), llama_plan("tp")), example_inputs=(IDS,))
+    err = e.value
+    assert not isinstance(err, PlanError), "a bug is never a refusal of the plan"
+    assert err.pass_name == "localize" and isinstance(err.original, KeyError) and err.__cause__ is err.original
+    assert re.fullmatch(r"(fxshard|passes)/[\w/]+\.py:\d+, \S+", err.location), err.location  # the innermost frame of fxshard
+    assert str(err).startswith(f"internal error in pass localize ({err.location}): KeyError: 'tp'")
+    assert "this is a bug in fxshard" in str(err) and "please report it" in str(err)
+
+
+def test_a_layout_rule_that_crashes_is_an_internal_error_naming_the_node(monkeypatch):
+    from fxshard.layout.op_rules import RULES
+
+    def crashes(ctx):
+        raise KeyError("boom")
+
+    monkeypatch.setitem(RULES, torch.nn.functional.linear, crashes)
+    with pytest.raises(fxshard.InternalError, match=r"(?s)internal error in pass propagate \(passes/propagate.py:\d+, \w+\): "
+                                                    r"KeyError: 'boom'.*node:    `\w+` \(F.linear\) in module fc1 ") as e:
+        fxshard.transform(mlp(), Plan(tp(), {"fc1": colwise(), "fc2": rowwise()}), example_inputs=(X,))
+    assert e.value.pass_name == "propagate"

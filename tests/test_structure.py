@@ -78,7 +78,6 @@ def test_one_pass_per_file_with_one_signature():
         assert module.__name__ == f"fxshard.passes.{p.name}", (p.name, module.__name__)
         assert list(inspect.signature(p.run).parameters) == ["gm", "ctx"], p.name
         assert module.__doc__.startswith(f"{p.name}: "), f"passes/{p.name}.py: its docstring names the pass first"
-        assert p.reads and p.writes
     public = set(fxshard.__all__)
     assert not public & set(PASS_NAMES), "a pass named like a public API entry reads as that entry"
 
@@ -108,19 +107,3 @@ def test_stop_after_a_pass_and_time_every_pass():
         assert set(timings) == {"capture"} | {p.name for p in PIPELINE if p.when is None or p.when(PassContext.from_plan(plan))}
         with pytest.raises(fxshard.PlanError, match="not a pass of fxshard.transform"):
             fxshard.transform(model, plan, example_inputs=(ids,), stop_after="normalise")
-
-
-def test_an_internal_failure_names_its_pass(monkeypatch):
-    from fxshard.transform import Pass
-
-    def broken(gm, ctx):
-        raise KeyError("boom")
-
-    rows = tuple(Pass(p.name, broken, p.reads, p.writes, p.when, p.per_rank) if p.name == "localize" else p for p in PIPELINE)
-    import sys
-
-    monkeypatch.setattr(sys.modules["fxshard.transform"], "PIPELINE", rows)  # the module: fxshard.transform is the function
-    model, ids = llama(n_layers=1), tokens(2, 8, 128)
-    with simulated({"tp": 2}) as mesh:
-        with pytest.raises(fxshard.PlanError, match=r"internal error in pass localize .*KeyError: 'boom'"):
-            fxshard.transform(model, fxshard.Plan(mesh, llama_plan("tp")), example_inputs=(ids,))

@@ -12,8 +12,8 @@ Every case ends in exactly one of
   as before;
 
 anything else fails: another exception out of transform or out of the sharded
-program, or a PlanError that is fxshard's wrapper of its own internal error ("this is
-a bug in fxshard") (**crash**); a number that differs, a Partial output, a touched
+program, an ``fxshard.InternalError`` (a bug in fxshard: never a PlanError), or a PlanError
+that says it is one ("this is a bug in fxshard") (**crash**); a number that differs, a Partial output, a touched
 model (**silently wrong**).  A right plan (no mistake, every sharded size divides)
 that is refused is counted and listed (``refused``), not failed: a refusal keeps the
 promise.  A quarter of the cases run the sharded program at another batch size and
@@ -72,7 +72,7 @@ from grammar import (AttnCfg, BlockCfg, Entry, FuzzCase, MlpCfg, ModelCfg, build
 
 ATOL = 1e-4
 RTOL = 1e-4
-INTERNAL = "this is a bug in fxshard"  # what fxshard's PlanError wrapper of its own failures says
+INTERNAL = "this is a bug in fxshard"  # what an InternalError says; a PlanError never should
 
 QUICK_CASES = int(os.environ.get("FXSHARD_FUZZ_QUICK_CASES", "30"))
 SWEEP_CASES = int(os.environ.get("FXSHARD_FUZZ_CASES", "1000"))
@@ -197,7 +197,7 @@ def run_case(case: FuzzCase, real_rank: int | None = None) -> Outcome:
             if touched:
                 return Outcome("wrong", f"PlanError left the model touched: {touched}", f"{type(e).__name__}: {e}")
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if INTERNAL in str(e):  # another exception inside fxshard, reported as a PlanError
+            if INTERNAL in str(e):  # a bug dressed as a refusal
                 cause = e.__cause__
                 what = f"{type(cause).__name__}: {cause}" if cause is not None else first
                 return Outcome("crash", f"internal error dressed as PlanError: {what.splitlines()[0] if what else ''}",

@@ -392,7 +392,8 @@ def test_factory_sized_by_a_local_size_gives_this_ranks_positions_under_both_cap
     plan = lambda mesh: Plan(mesh, {"pos": fxshard.ModuleSpec(out_dst={"tp": Shard(0)})}, inputs={"x": {"tp": Shard(1)}})
     x = torch.randn(2, 4, 4)
     check_simulated(_ArangePositions, plan, (x,), {"tp": 2}, example_inputs=(x,), name=f"arange positions {capture}")
-    gm = fxshard.transform(_ArangePositions(), plan(MeshSpec(("tp",), (2,))), example_inputs=(x,), capture=capture)
+    gm = fxshard.transform(_ArangePositions(), plan(MeshSpec(("tp",), (2,))), example_inputs=(x,), capture=capture,
+                           stop_after="propagate")  # localize acts on the request, and clears it
     assert any(n.target is torch.arange and n.meta[KEY].rewrite == "arange_offset" for n in gm.graph.nodes)
 
 

@@ -42,6 +42,7 @@ from torch.export import Dim
 from fxshard.markers import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
 from fxshard.frontend.aten_ops import translate_aten
+from fxshard.frontend.dtype_reads import CAST, restore_dtype_reads, watching_dtype_reads
 from fxshard.frontend.opaque_regions import opaque_local_regions, restore_local_region_calls
 from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
 from fxshard.frontend.repeated_blocks import StampMismatch, fallback_note, only_captured_blocks, plan_stamping, stamp_blocks
@@ -121,6 +122,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     _every_fqn(gm, model)
     _drop_guards(gm)
     _inline_blocks(gm)
+    restore_dtype_reads(gm)
     _markers_from_boundaries(gm)
     translate_aten(gm)
     _devices_from_inputs(gm, model, args, kwargs)
@@ -146,7 +148,7 @@ def _export(model, plan, kwargs, attempts, stamp=None):
     returns the program and the opaque local regions' calls, or raises the last error."""
     with _boundary_hooks(model, plan), opaque_local_regions(model, plan) as region_calls, _training_config(model), \
             causal_attention_as_sdpa_flag(model, plan, kwargs), torch.fx.experimental._config.patch(use_duck_shape=False), \
-            (only_captured_blocks(model, stamp) if stamp is not None else contextlib.nullcontext()):
+            (only_captured_blocks(model, stamp) if stamp is not None else contextlib.nullcontext()), watching_dtype_reads():
         for i, (a, kw, dyn) in enumerate(attempts):
             try:
                 return torch.export.export(model, a, kw, strict=False, dynamic_shapes=dyn), region_calls
@@ -497,7 +499,7 @@ def _same_tensor_as(out, inputs: list[fx.Node]) -> fx.Node | None:
     """The input that ``out`` *is*: the input itself, or a ``.to`` / ``.contiguous`` of it
     that changes nothing (eager returns ``self`` then), not a copy or a view."""
     aten = torch.ops.aten
-    returns_self = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.contiguous.default)
+    returns_self = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.contiguous.default, CAST)
     while isinstance(out, fx.Node) and out not in inputs:
         if not (out.op == "call_function" and out.target in returns_self and isinstance(out.args[0], fx.Node)):
             return None

@@ -255,8 +255,8 @@ def _span(frame) -> tuple:
     """``(line, end_line, col, end_col)`` of the expression the instruction now running in
     ``frame`` evaluates (columns count UTF-8 bytes)."""
     code = frame.f_code
-    if code not in _POSITIONS:
-        _POSITIONS[code] = list(code.co_positions())
+    if code not in _POSITIONS:  # (Python 3.10 has no positions: no dtype is traced to a tensor there)
+        _POSITIONS[code] = list(code.co_positions()) if hasattr(code, "co_positions") else []
     positions = _POSITIONS[code]
     return positions[frame.f_lasti // 2] if frame.f_lasti // 2 < len(positions) else (None,) * 4
 
@@ -348,7 +348,10 @@ def _evaluate(expr: ast.expr, frame):
     None for any other expression (nothing is called)."""
     if isinstance(expr, ast.Attribute):
         owner = _evaluate(expr.value, frame)
-        return getattr(owner, expr.attr, None) if owner is not None else None
+        try:
+            return getattr(owner, expr.attr, None) if owner is not None else None
+        except Exception:  # a property that fails: the dtype stays as captured, the model's own call will say
+            return None
     if isinstance(expr, ast.Name):
         for scope in (frame.f_locals, frame.f_globals, vars(builtins)):
             if expr.id in scope:

@@ -442,6 +442,14 @@ def held_back() -> int:
     return sum(1 for ref, _ in _HELD.values() if ref() is not None)
 
 
+def held_gradient(g: torch.Tensor) -> torch.Tensor:
+    """What a parameter receives from a sync held back: zeros of its gradient's shape and dtype.
+    The sum arrives with the first sync outside ``no_sync``.  Not ``None``: under FSDP2's mixed
+    precision, a parameter that gets no gradient in the held backwards has none to accumulate
+    in fp32 while the others do, and FSDP's reduce-scatter refuses gradients of mixed dtypes."""
+    return torch.zeros_like(g)
+
+
 def _hold_or_add(params: tuple, gs: tuple, ax: _Axis):
     """``None`` if every gradient of ``gs`` belongs to a parameter and syncs are held back
     (each is added to what is held); else ``gs`` with what was held back added."""
@@ -479,8 +487,8 @@ class _GradSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         gs = _hold_or_add(ctx.params, (g,), ctx.ax)
-        if gs is None:
-            return None, None, None
+        if gs is None:  # held back: a zero, not no gradient (see held_gradient)
+            return held_gradient(g), None, None
         g = raw_all_reduce(gs[0], ctx.ax)
         return (g / ctx.ax.size if ctx.op == "avg" else g), None, None
 
@@ -501,9 +509,10 @@ class _GradSyncBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
+        held = gs
         gs = _hold_or_add(ctx.params, gs, ctx.ax)
-        if gs is None:
-            return (None, None, None) + (None,) * len(ctx.params)
+        if gs is None:  # held back: zeros, not no gradients (see held_gradient)
+            return (None, None, None) + tuple(held_gradient(g) for g in held)
         # mixed precision (FSDP2's param_dtype) may hand gradients of several dtypes:
         # reduce in the widest one, return each in its own
         dtype = gs[0].dtype

@@ -27,6 +27,7 @@ from fxshard.planner.candidates import Candidate, candidate_from, divisibility, 
 from fxshard.planner.estimate import MEMORY_KEYS, RankEstimate, estimate
 from fxshard.planner.facts import Captures, ProgramFacts, SubPlan, program_facts, register_plans
 from fxshard.planner.model import PlannedModel
+from fxshard.planner.offline import refuse_if_distributed
 
 GIB = 1 << 30
 
@@ -86,6 +87,7 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     degrees, optionally ``microbatches``, ``schedule``, ``activation_checkpointing``).
     """
     t0 = time.perf_counter()
+    refuse_if_distributed()
     seq, global_batch = _sizes(seq, global_batch, example_kwargs)
     cal = device if isinstance(device, Calibration) else default_calibration(device)
     memory_gib = memory_gib if memory_gib is not None else cal.memory_gib

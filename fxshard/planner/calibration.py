@@ -8,12 +8,15 @@ bus bandwidth and the latency of one collective call.  Each says where its numbe
 - **Shipped** (:data:`PRESETS`): H100 SXM, H200 SXM and A100 SXM 80 GB from their data sheets
   (dense bf16 tensor-core peak, HBM bandwidth, NVLink per direction, one 400/200 Gb/s NIC per
   GPU), times the efficiency a well-tuned run reaches (matmul 0.7, memory 0.8, links 0.8:
-  the usual fractions of nccl-tests' bus bandwidth and of cuBLAS on large GEMMs); ``cpu``:
-  one process of this project's 2-core machine, measured once, gloo over loopback.
+  the usual fractions of nccl-tests' bus bandwidth and of cuBLAS on large GEMMs), and a ring
+  step of 1.5 us within a node and 5 us between nodes (nccl-tests' small-message times);
+  ``cpu``: one process of this project's 2-core machine, measured once, gloo over loopback.
 - **Measured** (:func:`calibrate`, ``python -m fxshard plan --calibrate out.json``): a few
-  matmuls, a copy, a stream of tiny kernels on this device, and, where a process group
-  exists (under ``torchrun``), all-reduces of 4 KiB (latency) and 64 MiB (bandwidth) over
-  the world; those go to the link class the world spans.
+  matmuls, a copy (256 MiB on a GPU; 2 MiB, cache-sized as small activations are, on a CPU),
+  a stream of tiny kernels on this device, and, where a process group
+  exists (under ``torchrun``), all-reduces of 4 KiB (latency) and 64 MiB (bandwidth; 16 MiB
+  on a CPU) over the world; those go to the link class the world spans.  The cost per kernel
+  is that of a small op's forward and backward through autograd, over three.
 
 Example::
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +40,7 @@ from fxshard.errors import PlanError
 @dataclass(frozen=True)
 class Link:
     gbps: float  # bus bandwidth, GB/s (nccl-tests' busbw: the ring's bytes per second per rank)
-    latency_us: float  # one collective call
+    latency_us: float  # one step of a ring (an all-reduce over n ranks takes 2 (n - 1) of them)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class Calibration:
     memory_gib: float | None = None  # the device's memory (data sheet)
     dtype: str = "bf16"  # the dtype the throughput is for, and the planner's default
     source: str = ""
+    # the share of FSDP2's transfers that runs behind compute: NCCL on its own streams overlaps them; gloo on a
+    # CPU runs them on the cores the compute needs
+    overlap: float = 1.0
+    # the cores a node's ranks share (a CPU); None: a device per rank.  The throughputs are one rank's alone
+    cores: int | None = None
 
     @classmethod
     def named(cls, name: str) -> "Calibration":
@@ -82,12 +91,12 @@ class Calibration:
     def describe(self) -> str:
         links = ", ".join(f"{k} {v.gbps:g} GB/s + {v.latency_us:g} us" for k, v in self.links.items())
         return (f"{self.name}: matmul {self.matmul_tflops:g} TFLOP/s ({self.dtype}), memory {self.memory_gbps:g} GB/s, "
-                f"{self.kernel_us:g} us per kernel, links {links}; {self.source}")
+                f"{self.kernel_us:g} us per kernel, links {links}, FSDP2 overlap {self.overlap:g}; {self.source}")
 
 
 def _gpu(name, tflops, hbm_tbps, nvlink_gbps, nic_gbps, memory_gib) -> Calibration:
     return Calibration(name, matmul_tflops=0.7 * tflops, memory_gbps=0.8 * hbm_tbps * 1000, kernel_us=6.0,
-                       links={"intra": Link(0.8 * nvlink_gbps, 10.0), "inter": Link(0.8 * nic_gbps, 25.0)},
+                       links={"intra": Link(0.8 * nvlink_gbps, 1.5), "inter": Link(0.8 * nic_gbps, 5.0)},
                        gpus_per_node=8, memory_gib=memory_gib, dtype="bf16",
                        source=f"data sheet x efficiency (matmul 0.7 of {tflops:g} TFLOP/s dense bf16, memory 0.8 of "
                               f"{hbm_tbps:g} TB/s, links 0.8 of NVLink {nvlink_gbps:g} GB/s per direction and "
@@ -100,8 +109,9 @@ PRESETS: dict[str, Calibration] = {
     "a100": _gpu("A100 SXM 80GB", 312.0, 2.04, 300.0, 25.0, 80.0),
     # one process alone on this project's 2-core machine (python -m fxshard plan --calibrate), gloo on loopback
     "cpu": Calibration("cpu", matmul_tflops=0.05, memory_gbps=5.0, kernel_us=8.0,
-                       links={"intra": Link(1.0, 150.0), "inter": Link(1.0, 150.0)}, gpus_per_node=1 << 20,
-                       memory_gib=None, dtype="fp32", source="measured on the project's 2-core CPU, gloo over loopback"),
+                       links={"intra": Link(1.0, 500.0), "inter": Link(1.0, 500.0)}, gpus_per_node=1 << 20,
+                       memory_gib=None, dtype="fp32", source="measured on the project's 2-core CPU, gloo over loopback",
+                       overlap=0.0, cores=2),
 }
 
 
@@ -119,36 +129,61 @@ def default_calibration(device: str | None = None) -> Calibration:
 
 def calibrate(device: str | None = None, *, repeats: int = 5) -> Calibration:
     """Measure this device (and the world's links, when a process group exists).  Every rank
-    of a process group must call it (the collectives are the world's)."""
+    of a process group must call it (the collectives are the world's); rank 0 measures the
+    device alone while the others wait, and every rank returns rank 0's constants."""
     import torch.distributed as dist
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grouped = dist.is_initialized() and dist.get_world_size() > 1
+    if grouped:
+        dist.barrier()
+        found = [_device_constants(dev, repeats) if dist.get_rank() == 0 else None]
+        dist.barrier()
+        dist.broadcast_object_list(found, src=0)
+        found = found[0]
+    else:
+        found = _device_constants(dev, repeats)
+    base = default_calibration()
+    on_gpu = dev.type == "cuda"
+    links, where = dict(base.links), f"measured on {torch.cuda.get_device_name() if on_gpu else 'this CPU'}"
+    if grouped:
+        world = dist.get_world_size()
+        small = torch.zeros(1024, device=dev)
+        large = torch.zeros((16 if on_gpu else 4) << 20, device=dev)  # 64 MiB of fp32 (16 MiB on a CPU)
+        lat = _best(lambda: dist.all_reduce(small), dev, repeats)
+        t = _best(lambda: dist.all_reduce(large), dev, repeats)
+        bus = 2 * (world - 1) / world * large.numel() * 4 / max(t - lat, 1e-9) / 1e9
+        kind = "intra" if world <= base.gpus_per_node else "inter"
+        links[kind] = Link(round(bus, 3), round(lat * 1e6 / (2 * (world - 1)), 1))  # a ring all-reduce: 2 (n - 1) steps
+        where += f", {kind} link by all-reduces over {world} ranks ({dist.get_backend()})"
+    else:
+        where += f", links from the {base.name} preset (no process group)"
+    cores = None if on_gpu else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return dataclasses.replace(base, name=f"measured ({dev.type})", links=links, dtype="bf16" if on_gpu else "fp32",
+                               source=where, overlap=1.0 if on_gpu else 0.0, cores=cores, **found)
+
+
+def _device_constants(dev: torch.device, repeats: int) -> dict:
+    """Matmul throughput, copy bandwidth and the cost of a small op on ``dev``."""
     on_gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     n = 8192 if on_gpu else 1024
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     matmul = _best(lambda: a @ b, dev, repeats)
-    big = torch.empty(64 << 20 if on_gpu else 16 << 20, dtype=torch.uint8, device=dev)
+    # a GPU's activations stream from HBM; a CPU's small ones stay in its caches: a copy of their size
+    big = torch.empty(256 << 20 if on_gpu else 2 << 20, dtype=torch.uint8, device=dev)
     copy = _best(lambda: big.clone(), dev, repeats)
-    tiny = torch.zeros(8, device=dev)
-    kernel = _best(lambda: [tiny.add_(1) for _ in range(100)], dev, repeats) / 100
-    base = default_calibration()
-    links, where = dict(base.links), f"measured on {torch.cuda.get_device_name() if on_gpu else 'this CPU'}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        world = dist.get_world_size()
-        small = torch.zeros(1024, device=dev)
-        large = torch.zeros(16 << 20, device=dev)  # 64 MiB of fp32
-        lat = _best(lambda: dist.all_reduce(small), dev, repeats)
-        t = _best(lambda: dist.all_reduce(large), dev, repeats)
-        bus = 2 * (world - 1) / world * large.numel() * 4 / max(t - lat, 1e-9) / 1e9
-        kind = "intra" if world <= base.gpus_per_node else "inter"
-        links[kind] = Link(round(bus, 3), round(lat * 1e6, 1))
-        where += f", {kind} link by all-reduces over {world} ranks ({dist.get_backend()})"
-    else:
-        where += f", links from the {base.name} preset (no process group)"
-    return dataclasses.replace(base, name=f"measured ({dev.type})", matmul_tflops=round(2 * n ** 3 / matmul / 1e12, 4),
-                               memory_gbps=round(2 * big.numel() / copy / 1e9, 2), kernel_us=round(kernel * 1e6, 2),
-                               links=links, dtype="bf16" if on_gpu else "fp32", source=where)
+    tiny = torch.zeros(8, device=dev, requires_grad=True)
+
+    def chain():  # small ops forward and backward, as a program runs them: the time model counts a backward as 2 forwards
+        x = tiny
+        for _ in range(100):
+            x = x * 1.0001
+        x.sum().backward()
+
+    kernel = _best(chain, dev, repeats) / 300
+    return {"matmul_tflops": round(2 * n ** 3 / matmul / 1e12, 4), "memory_gbps": round(2 * big.numel() / copy / 1e9, 2),
+            "kernel_us": round(kernel * 1e6, 2)}
 
 
 def _best(fn, dev: torch.device, repeats: int) -> float:

@@ -23,8 +23,9 @@ Per pipeline rank (all ranks are alike without pp):
   plus one forward of every block under checkpointing), each collective's latency plus its
   ring bytes over its link (within a node or not, from where the axis's ranks sit), the
   pipeline's ``(M + pp - 1)`` slots of the slowest rank (interleaved: ``M + (pp - 1) / v``),
-  FSDP2's transfers where they outlast the compute they overlap, and AdamW's pass over the
-  rank's state.
+  FSDP2's transfers where they outlast the compute they overlap (the calibration's ``overlap``:
+  all of it on GPUs, none on a CPU, whose cores run both) plus the first all-gather, and AdamW's
+  pass over the rank's state.
 
 Example::
 
@@ -111,13 +112,26 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         ranks.append(RankEstimate(r, stages, blocks, memory, comm, {
             "compute": 3 * fwd + recompute, "comm": comm_s + p2p_s, "fsdp": fsdp_s, "fsdp_exposed": first_gather_s,
             "optimizer": 7 * params / (cal.memory_gbps * 1e9)}))
-    per_mb = max(rk.seconds["compute"] + rk.seconds["comm"] for rk in ranks)
+    # ranks sharing a CPU's cores: computing together, each runs at cores / ranks of its speed alone; a rank
+    # idle in a pipeline's bubble lends its core, so a pipeline takes at least the node's work over its cores
+    ranks_per_node = min(_world(m), cal.gpus_per_node)
+    shared = max(1.0, ranks_per_node / cal.cores) if cal.cores else 1.0
     slots = M + (pp - 1) / v if pp > 1 else 1
-    pipeline_s = slots * per_mb
+    if pp == 1:
+        pipeline_s = max(rk.seconds["compute"] * shared + rk.seconds["comm"] for rk in ranks)
+    else:
+        per_mb = max(rk.seconds["compute"] + rk.seconds["comm"] for rk in ranks)
+        node_work = sum(rk.seconds["compute"] for rk in ranks) * M * ranks_per_node / pp
+        pipeline_s = max(slots * per_mb, node_work / cal.cores if cal.cores else 0.0)
     compute_s = max(rk.seconds["compute"] for rk in ranks) * M
-    fsdp_s = max(max(0.0, rk.seconds["fsdp"] - compute_s) + rk.seconds["fsdp_exposed"] for rk in ranks)
-    step = pipeline_s + fsdp_s + max(rk.seconds["optimizer"] for rk in ranks)
+    fsdp_s = max(max(0.0, rk.seconds["fsdp"] - cal.overlap * compute_s) + cal.overlap * rk.seconds["fsdp_exposed"]
+                 for rk in ranks)
+    step = pipeline_s + fsdp_s + max(rk.seconds["optimizer"] for rk in ranks) * shared
     return Estimate(ranks, step)
+
+
+def _world(mesh: dict) -> int:
+    return math.prod(mesh.values())
 
 
 # ----------------------------------------------------------------------------- stages
@@ -255,10 +269,11 @@ def _link(axis: str, mesh: dict, cal: Calibration):
 
 
 def _collective_seconds(kind: str, nbytes: float, n: int, link) -> float:
+    """A ring: ``2 (n - 1)`` steps for an all-reduce, ``n - 1`` for the others, one for a send."""
     if n <= 1:
         return 0.0
-    ring = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind in ("all_gather", "reduce_scatter", "all_to_all") else 1.0
-    return link.latency_us * 1e-6 + ring * nbytes / (link.gbps * 1e9)
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1 if kind in ("all_gather", "reduce_scatter", "all_to_all") else 1
+    return steps * (link.latency_us * 1e-6 + nbytes / n / (link.gbps * 1e9) * (1 if steps > 1 else n))
 
 
 def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration, pipelined: bool, recompute: bool):

@@ -49,16 +49,21 @@ from fxshard.runtime.collectives import bind_mesh
 BEFORE, AFTER = "<before>", "<after>"
 
 
+def refuse_if_distributed() -> None:
+    """The fake process group would replace this process's real one."""
+    if dist.is_initialized():
+        raise PlanError("fxshard.plan_parallelism runs each candidate on torch's fake process group, and this process "
+                        "already has a process group\n  fix: plan before torch.distributed.init_process_group (every "
+                        "rank gets the same answer), or in another process: python -m fxshard plan ...")
+
+
 @contextlib.contextmanager
 def offline_mesh(sizes: dict[str, int]) -> Iterator:
     """A ``DeviceMesh`` of ``sizes`` (``None`` when empty) over torch's fake process group,
     in this process, for the block; the process group is destroyed on exit and the mesh fxshard
     had bound before is bound again.  Refused while a real process group exists (the fake one
     would replace it)."""
-    if dist.is_initialized():
-        raise PlanError("fxshard.plan_parallelism runs each candidate on torch's fake process group, and this process "
-                        "already has a process group\n  fix: plan before torch.distributed.init_process_group (every "
-                        "rank gets the same answer), or in another process: python -m fxshard plan ...")
+    refuse_if_distributed()
     # registers torch's "fake" backend: collectives of shapes only, one process plays rank 0
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh

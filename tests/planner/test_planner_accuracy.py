@@ -60,7 +60,8 @@ def _check(model_type: str, configs: list[dict], measured: list[dict], comm: set
             sent = sum(b * n for _, b, n in m["comm"])
             if cfg["mesh"] in comm:
                 assert sent == sum(p.comm.values()), (where, m["comm"], p.comm)
-            lines.append(f"{where}: params {m['params']}, activations x{ratio:.3f}, comm {sent} B")
+            lines.append(f"{where}: params {m['params']}, activations {m['activations']} x{ratio:.3f}, comm {sent} B "
+                         f"(predicted {sum(p.comm.values()):.0f})")
     return lines
 
 
@@ -71,7 +72,8 @@ def test_predictions_equal_what_real_ranks_hold_and_send(tmp_path):
         c["name"] = "mixtral " + c["name"]
     spawn(measure_configs, 4, dense + moe, str(tmp_path))  # one start of the 4 processes for all
     measured = read_results(str(tmp_path), 4)
-    _check("llama", dense, measured, comm={c["mesh"] for c in dense})
+    lines = _check("llama", dense, measured, comm={c["mesh"] for c in dense})
     # dp=2,ep=2: the step also all-reduces each expert weight's gradient over dp, which
-    # fxshard.comm_summary does not list (reported); its memory is checked
-    _check("mixtral", moe, measured, comm={"ep=4", "pp=2,ep=2"})
+    # fxshard.comm_summary does not list (docs/planning.md, "Limits"); its memory is checked
+    lines += _check("mixtral", moe, measured, comm={"ep=4", "pp=2,ep=2"})
+    print("\n".join(lines))  # pytest -s shows the figures

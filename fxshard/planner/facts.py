@@ -158,7 +158,7 @@ def build_subplan_plan(planned: PlannedModel, subplan: SubPlan, mesh):
     from fxshard.trainer.parallel_dims import ParallelDims
     from fxshard.trainer.parallelize import ParallelOptions, build_plan
 
-    dims = ParallelDims(tp=subplan.tp, cp=subplan.cp, ep=subplan.ep, pp=2 if subplan.cp_gathered else 1)
+    dims = ParallelDims(tp=subplan.tp, cp=subplan.cp, ep=subplan.ep, pp=2 if subplan.cp_gathered else 1, spec=str(subplan))
     try:
         plan, _ = build_plan(planned.model, planned.source, dims, mesh, ParallelOptions(microbatches=2))
     except TrainerError as e:

@@ -63,6 +63,9 @@ def plan_once(path: str, world: int, memory: float, seq: int, batch: int, device
     published = fxshard.plan_parallelism(path, world, memory_gib=memory, seq=seq, global_batch=batch, device=device,
                                          candidates=compare)
     out["published"] = [_row(e, "torchtitan") for e in published]
+    import resource
+
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's whole peak
     return out
 
 
@@ -96,7 +99,8 @@ def main() -> None:
                 r = pool.submit(plan_once, path, a.world, a.memory, a.seq, batch, a.device, compare).result()
             results[size] = r
             print(f"\nLlama-3-{size} on {a.world} x {a.memory:g} GiB ({a.device}), seq {a.seq}, global batch {batch}: "
-                  f"planned in {r['cold']:.1f} s cold, {r['warm']:.1f} s warm; {r['fit']} of {r['candidates']} fit")
+                  f"planned in {r['cold']:.1f} s cold, {r['warm']:.1f} s warm (peak resident {r['peak_rss_mib']:.0f} MiB); "
+                  f"{r['fit']} of {r['candidates']} fit")
             cols = [("source", "", ""), ("mesh", "mesh", ""), ("M", "M", ""), ("schedule", "schedule", ""), ("AC", "AC", ""),
                     ("params", "params", ""), ("activations", "activations", ""), ("total", "total", ""),
                     ("step_s", "step s", ".2f"), ("tokens_s", "tokens/s/GPU", ",.0f"), ("reason", "", "")]

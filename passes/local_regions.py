@@ -82,11 +82,11 @@ def local_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             if region.pattern not in checked:  # the layers a plan entry matches are alike: check one
                 checked.add(region.pattern)
                 _check_routed_experts(node, module, region, axes)
-            _routed_experts(module, region, axes, _grad_syncs(gm, node, region))
+            _routed_experts(module, region, axes, _grad_syncs(gm, node, region, ctx.fsdp_axes))
             info(node).extra["region"] = "as is: routed experts (their loop over the chosen experts is data-dependent)"
             continue
         forward = _forward(node, module, region)
-        syncs = _grad_syncs(gm, node, region)
+        syncs = _grad_syncs(gm, node, region, ctx.fsdp_axes)
         if isinstance(module, fx.GraphModule):  # outlined from an inline trace: already a graph
             if forward is not None:
                 raise PlanError(f"local region {region.fqn!r} was traced inline (plain torch.fx.symbolic_trace), so its module "
@@ -292,9 +292,11 @@ def _run_as_is(module: nn.Module, forward, syncs: dict[str, tuple[str, ...]]) ->
 # --------------------------------------------------------------------------- gradients
 
 
-def _grad_syncs(gm: fx.GraphModule, node: fx.Node, region: LocalRegion) -> dict[str, tuple[str, ...]]:
+def _grad_syncs(gm: fx.GraphModule, node: fx.Node, region: LocalRegion, fsdp_axes=()) -> dict[str, tuple[str, ...]]:
     """``{parameter FQN: axes}``: replicated trainable parameters of the region, per
-    axis on which its input is sharded (each rank holds a share of their gradient)."""
+    axis on which its input is sharded (each rank holds a share of their gradient).  Not
+    on an axis given to FSDP2: its reduce-scatter syncs the parameters there (a second
+    sum would count every rank's share twice), as ``insert_grad_syncs`` leaves them too."""
     sharded = []
     for a in node.all_input_nodes:
         ti = tensor_info(a)
@@ -306,7 +308,7 @@ def _grad_syncs(gm: fx.GraphModule, node: fx.Node, region: LocalRegion) -> dict[
         p = params.get(fqn)
         if p is None or not p.requires_grad or any(fqn.startswith(child + ".") for child in region.owners):
             continue
-        axes = tuple(a for a in layout if a in sharded and isinstance(layout[a], Replicate))
+        axes = tuple(a for a in layout if a in sharded and isinstance(layout[a], Replicate) and a not in fsdp_axes)
         if axes:
             syncs[fqn] = axes
     return syncs

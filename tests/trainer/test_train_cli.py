@@ -107,7 +107,7 @@ def one_process(checkpoints, cache, tmp_path_factory):
 
 MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2,tp=2", 4, []),
           ("llama", "pp=2,dp=2", 4, ["--activation-checkpointing"]), ("llama", "cp=2,tp=2", 4, []),
-          ("qwen3_moe", "ep=2", 2, []),
+          ("qwen3_moe", "ep=2", 2, []), ("qwen3_moe", "dp=2,ep=2", 4, []),
           ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"]),
           ("llama", "auto", 2, ["--memory-gib", "4"])]
 

@@ -106,6 +106,8 @@ def _undeclared(n: fx.Node) -> bool:
 def _without_layout(n: fx.Node) -> bool:
     if isinstance(getattr(_info(n), "value", None), TensorInfo):
         return False
+    if n.op == "call_function" and n.target is getattr:  # an attribute of a region's output: read as its owner is
+        return False
     return n.op == "get_attr" or _holds_tensor(n)
 
 

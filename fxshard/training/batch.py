@@ -138,7 +138,10 @@ def equal_pieces(gm: fx.GraphModule) -> list[EqualPiece]:
             continue
         for axis, p in value.layout.items():
             n = axes.get(axis, 1)
-            if (isinstance(p, Shard) and n > 1 and (axis in cp_axes or axis in param_axes)
+            # the rows of a batch (dim 0) split over an expert-parallel axis travel by counts (all-to-all):
+            # like data parallelism, uneven rows are exact there
+            along_rows = p.dim % len(value.shape) == 0 if isinstance(p, Shard) else False
+            if (isinstance(p, Shard) and n > 1 and (axis in cp_axes or (axis in param_axes and not along_rows))
                     and isinstance(value.shape[p.dim], int) and value.shape[p.dim] % n == 0):
                 out.append(EqualPiece(index, node.target, p.dim % len(value.shape), axis, n, value.shape[p.dim]))
     return out

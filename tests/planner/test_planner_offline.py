@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+pytestmark = pytest.mark.isolated  # torch's fake process group, process-wide (pyproject: markers)
 import torch
 
 pytest.importorskip("transformers")

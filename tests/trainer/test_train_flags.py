@@ -200,6 +200,7 @@ def test_export_command(tmp_path, cache, capsys):
     assert model.config.vocab_size >= 257
 
 
+@pytest.mark.isolated  # the planner runs torch's fake process group, process-wide
 def test_mesh_auto_one_process(tmp_path, cache, capsys):
     recs, _ = train(tmp_path, cache, "--mesh", "auto", "--memory-gib", "4")
     assert sorted(recs) == [1, 2, 3]

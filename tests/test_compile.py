@@ -191,7 +191,9 @@ def _check_case(name: str, case: Case, mesh, backend: str, rtol: float, atol: fl
     torch._dynamo.utils.counters.clear()
     # no graph breaks: one graph for the whole program
     explained = torch._dynamo.explain(compiled_module)(*inputs)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, f"{name}: {explained.break_reasons}"
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, (
+        f"{name}: {explained.graph_count} graphs, {explained.graph_break_count} breaks {explained.break_reasons}, "
+        f"compile times {explained.compile_times}")
     torch._dynamo.reset()
 
     graphs: dict = {}

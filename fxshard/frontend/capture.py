@@ -32,6 +32,7 @@ import contextlib
 import inspect
 import operator
 import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -245,20 +246,37 @@ def _devices_from_inputs(gm: fx.GraphModule, model: nn.Module, args, kwargs) -> 
 def flat_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[Any]:
     """The graph's placeholder values for a call ``gm(*args, **kwargs)``: a captured
     graph takes its inputs pytree-flattened by its ``in_spec``; a traced one by name."""
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is not None and info.in_spec is not None:
-        import torch.fx._pytree as fx_pytree
+    return InputOrder.of(gm).flatten(args, kwargs)
 
-        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs or {})), info.in_spec))
-    if not kwargs:
-        return list(args)
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    bound = dict(zip(names, args))
-    unknown = sorted(set(kwargs) - set(names))
-    if unknown:
-        raise PlanError(f"example_kwargs {unknown} are not inputs of the graph (its inputs are {names})")
-    bound.update(kwargs)
-    return [bound[n] for n in names if n in bound]
+
+@dataclass(frozen=True)
+class InputOrder:
+    """How a call's arguments map to a graph's placeholders, read from the graph once.  A
+    forward pre-hook holds one (not the graph): ``torch.compile`` traces the hook, and
+    dynamo does not trace into ``GraphModule.graph``."""
+
+    in_spec: Any
+    names: tuple[str, ...]
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> "InputOrder":
+        info = getattr(gm.graph._codegen, "pytree_info", None)
+        return InputOrder(info.in_spec if info is not None else None,
+                          tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
+
+    def flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[Any]:
+        if self.in_spec is not None:
+            import torch.fx._pytree as fx_pytree
+
+            return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs or {})), self.in_spec))
+        if not kwargs:
+            return list(args)
+        bound = dict(zip(self.names, args))
+        unknown = sorted(set(kwargs) - set(self.names))
+        if unknown:
+            raise PlanError(f"example_kwargs {unknown} are not inputs of the graph (its inputs are {list(self.names)})")
+        bound.update(kwargs)
+        return [bound[n] for n in self.names if n in bound]
 
 
 # ----------------------------------------------------------------------------- export set-up

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import PlanError
-from fxshard.frontend.capture import flat_inputs
+from fxshard.frontend.capture import InputOrder
 from fxshard.meta import KEY, TensorInfo
 
 
@@ -217,11 +217,11 @@ def _bound(b) -> float:
 class StaticSizeGuard:
     """Forward pre-hook of a program with fixed input dims (:func:`guard_static_input_sizes`)."""
 
-    def __init__(self, sizes: Sequence[StaticSize], model: str):
-        self.sizes, self.model = tuple(sizes), model
+    def __init__(self, sizes: Sequence[StaticSize], model: str, order: InputOrder):
+        self.sizes, self.model, self.order = tuple(sizes), model, order
 
     def __call__(self, module, args, kwargs):
-        flat = flat_inputs(module, args, kwargs)
+        flat = self.order.flatten(args, kwargs)
         check_static_sizes(self.sizes, {s.name: flat[s.index] for s in self.sizes if s.index < len(flat)}, self.model)
         return None
 
@@ -230,5 +230,6 @@ def guard_static_input_sizes(gm: fx.GraphModule) -> list[StaticSize]:
     """Give ``gm`` a pre-hook that checks its fixed input dims, if it has any; returns them."""
     sizes = static_input_sizes(gm)
     if sizes:
-        gm.register_forward_pre_hook(StaticSizeGuard(sizes, gm.meta.get("model_class", type(gm).__name__)), with_kwargs=True)
+        guard = StaticSizeGuard(sizes, gm.meta.get("model_class", type(gm).__name__), InputOrder.of(gm))
+        gm.register_forward_pre_hook(guard, with_kwargs=True)
     return sizes

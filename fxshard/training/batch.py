@@ -154,13 +154,16 @@ class EqualPiecesGuard:
     PlanError when some axis's ranks hold unequal pieces, so that no rank is left waiting in
     a collective its peers never enter."""
 
-    def __init__(self, pieces, model: str):
-        self.pieces, self.model = tuple(pieces), model
+    def __init__(self, pieces, model: str, order):
+        self.pieces, self.model, self.order = tuple(pieces), model, order
 
     def __call__(self, module, args, kwargs):
-        from fxshard.frontend.capture import flat_inputs
-
-        flat = flat_inputs(module, args, kwargs)
+        if torch.compiler.is_compiling():
+            # the check is a collective and a Python branch on its result: a compiled program
+            # (fullgraph) cannot hold it, so there the pieces are the caller's to cut equal
+            # (fxshard.shard_inputs does; docs/training.md)
+            return None
+        flat = self.order.flatten(args, kwargs)
         given = [(p, flat[p.index]) for p in self.pieces if p.index < len(flat) and isinstance(flat[p.index], torch.Tensor)
                  and flat[p.index].dim() > p.dim]
         if given:
@@ -239,6 +242,8 @@ def guard_equal_pieces(gm: fx.GraphModule) -> list[EqualPiece]:
     assumes so (:func:`equal_pieces`), if it has any; returns them."""
     pieces = equal_pieces(gm)
     if pieces:
-        gm.register_forward_pre_hook(EqualPiecesGuard(pieces, gm.meta.get("model_class", type(gm).__name__)),
-                                     with_kwargs=True)
+        from fxshard.frontend.capture import InputOrder
+
+        guard = EqualPiecesGuard(pieces, gm.meta.get("model_class", type(gm).__name__), InputOrder.of(gm))
+        gm.register_forward_pre_hook(guard, with_kwargs=True)
     return pieces

@@ -63,7 +63,12 @@ class CommLog(TorchDispatchMode):
 
 
 class SavedLog:
-    """Peak bytes of the storages autograd keeps (parameters and buffers excluded)."""
+    """Peak bytes of the storages autograd keeps (parameters and buffers excluded).
+
+    A storage is live from its first pack until every packed reference to it is unpacked or
+    released by autograd (a saved tensor the backward never reads is freed with its node):
+    a count that only fell at unpack kept such storages live forever, and a later storage at
+    the same address then went uncounted, which made the peak vary from run to run."""
 
     def __init__(self, module: torch.nn.Module):
         self.excluded = {t.untyped_storage()._cdata for t in module.buffers()}
@@ -80,20 +85,38 @@ class SavedLog:
             self.now += entry[0]
             self.peak = max(self.peak, self.now)
         entry[1] += 1
-        return (key, t)
+        return _Packed(self, key, t)
 
-    def unpack(self, packed):
-        if not isinstance(packed, tuple):
-            return packed
-        key, t = packed
+    def release(self, key: int) -> None:
         entry = self.live[key]
         entry[1] -= 1
         if entry[1] == 0:
             self.now -= entry[0]
-        return t
+            del self.live[key]
+
+    def unpack(self, packed):
+        return packed.take() if isinstance(packed, _Packed) else packed
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Packed:
+    """One saved reference: released at its first unpack, or when autograd frees it unread."""
+
+    def __init__(self, log: SavedLog, key: int, t: torch.Tensor):
+        self.log, self.key, self.t, self.held = log, key, t, True
+
+    def take(self) -> torch.Tensor:
+        if self.held:
+            self.held = False
+            self.log.release(self.key)
+        return self.t
+
+    def __del__(self):
+        if self.held:
+            self.held = False
+            self.log.release(self.key)
 
 
 def _local_bytes(t) -> int:

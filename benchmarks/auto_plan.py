@@ -5,7 +5,7 @@ model is transformed twice on a ``tp`` MeshSpec, with ``Plan.from_hf`` and with
 ``fxshard.auto_plan``, and the static ``fxshard.comm_summary`` of each is printed:
 calls forward / backward and the bytes one rank sends with ring algorithms.  A plan
 that fails to transform is shown with its PlanError.  Exactness is the tests' job
-(``tests/test_auto_plan.py`` checks Phi-3 and OLMo2 against the single-device model).
+(``tests/planner/test_auto_plan.py`` checks Phi-3 and OLMo2 against the single-device model).
 
     python benchmarks/auto_plan.py                       # tp=2, the families below
     python benchmarks/auto_plan.py --tp 4 --families llama,phi3,olmo2

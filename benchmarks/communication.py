@@ -44,8 +44,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.testing.bench import localize_llama_heads, torch_llama_plan  # noqa: E402
-from fxshard.cli.launch import spawn  # noqa: E402
+from fxshard.testing.bench_contenders import localize_llama_heads, torch_llama_plan  # noqa: E402
+from fxshard.testing.launch import spawn  # noqa: E402
 from fxshard.debug.comm_summary import comm_summary  # noqa: E402
 from fxshard.testing.models import WithLoss, gpt2, gpt2_plan, llama, llama_plan, tokens  # noqa: E402
 

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import torch.distributed._local_tensor  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.cli.launch import spawn  # noqa: E402
+from fxshard.testing.launch import spawn  # noqa: E402
 from fxshard.testing.models import llama, tokens  # noqa: E402
 
 

@@ -12,7 +12,7 @@ a non-empty ``base_model_tp_plan`` and a ``*ForCausalLM`` class):
 3. one forward (HF's own loss) + backward on the simulated ranks, then one SGD step and
    a second forward; each rank's logits (both forwards) and loss against one device's,
    each rank's parameter gradient against the matching slice of the single-device
-   gradient (``sharded.meta["fxshard_state"]``: layout and global shape per FQN; the
+   gradient (``fxshard.meta.program_meta(sharded).state``: layout and global shape per FQN; the
    slicing is ``tests/equivalence.py``'s, independent of fxshard);
 4. collectives per training step: fxshard's static ``fxshard.comm_summary`` (forward +
    backward), cross-checked with the collectives ``CommDebugMode`` sees while the step
@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard.testing.hf_tiny import TinyBuildError, decoder_families, tiny_inputs, tiny_model  # noqa: E402
+from fxshard.meta import program_meta  # noqa: E402
 
 COLUMNS = [
     ("family", "family", ""),
@@ -241,9 +242,9 @@ def run_fxshard(model, mesh, mesh_shape: dict, ids, labels, ref: dict, lr: float
             out.loss.backward()
         row["fxshard_measured"] = f"{fwd_measured}+{cm.get_total_counts() - fwd_measured}"
         out_layout = output_layout(sharded, lambda o: o.logits)
-        state = sharded.meta["fxshard_state"]
-        blocks_of = sharded.meta.get("fxshard_blocks", {})
-        heads_of = sharded.meta.get("fxshard_heads", {})  # KV heads shared by several ranks (tp > KV heads)
+        state = program_meta(sharded).state
+        blocks_of = program_meta(sharded).blocks
+        heads_of = program_meta(sharded).heads  # KV heads shared by several ranks (tp > KV heads)
         grads = {n: p.grad for n, p in sharded.named_parameters(remove_duplicate=False)}
         with torch.no_grad():
             for p in sharded.parameters():

@@ -51,7 +51,7 @@ from torch.distributed.tensor import Replicate  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan, colwise  # noqa: E402
-from fxshard.cli.launch import spawn  # noqa: E402
+from fxshard.testing.launch import spawn  # noqa: E402
 from fxshard.meta import KEY, TensorInfo  # noqa: E402
 from fxshard.testing.models import WithLoss, llama, llama_plan, tokens  # noqa: E402
 

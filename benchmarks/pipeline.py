@@ -39,9 +39,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.cli.launch import spawn  # noqa: E402
+from fxshard.testing.launch import spawn  # noqa: E402
 from fxshard.pipelining import pipeline, pipeline_transform, train_step  # noqa: E402
 from fxshard.testing.models import llama, tokens  # noqa: E402
+from fxshard.meta import program_meta  # noqa: E402
 
 
 def token_mean_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def _rank(rank: int, world_size: int, cfg: dict, schedule: str, microbatches: in
         staged.zero_grad(set_to_none=True)
 
     rows.append(_measure("fxshard", run_fxshard, staged.stages, staged.stage_ids, staged.pp_group, cfg, microbatches))
-    blocks = [b for st in staged.stages for b in st.meta["fxshard_pipeline_stage"]["blocks"]]
+    blocks = [b for st in staged.stages for b in program_meta(st).pipeline_stage.blocks]
     starts = _stage_starts(staged, world_size)
     try:
         rows.append(_torch_pipeline(model, starts, spec, mesh, ids, target, cfg, microbatches))
@@ -112,7 +113,7 @@ def _rank(rank: int, world_size: int, cfg: dict, schedule: str, microbatches: in
 
 def _stage_starts(staged, pp: int) -> list[str]:
     """The first block of every stage after the first (all ranks agree: the cut is the same everywhere)."""
-    obj = [staged.stages[0].meta["fxshard_pipeline_stage"]["blocks"][0]]
+    obj = [program_meta(staged.stages[0]).pipeline_stage.blocks[0]]
     gathered = [None] * pp
     dist.all_gather_object(gathered, obj, group=staged.pp_group)
     return [g[0] for g in gathered[1:]]

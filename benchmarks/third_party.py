@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard.testing.third_party import NOT_INSTALLABLE, cases  # noqa: E402
+from fxshard.meta import program_meta  # noqa: E402
 
 COLUMNS = [
     ("library", "library", ""),
@@ -60,7 +61,7 @@ def first_line(e: BaseException) -> str:
 
 def sharded_share(sharded) -> str:
     """Share of the model's parameter elements that the plan shards on some axis."""
-    state = sharded.meta.get("fxshard_state", {})
+    state = (program_meta(sharded).state or {})
     names = {n for n, _ in sharded.named_parameters(remove_duplicate=False)}
     total = part = 0
     for fqn, (layout, shape) in state.items():

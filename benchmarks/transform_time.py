@@ -36,6 +36,7 @@ from common import RESULTS, describe_machine, fmt_bytes, pyplot, save_plot, tabl
 
 import fxshard  # noqa: E402
 from fxshard import MeshSpec, Plan  # noqa: E402
+from fxshard.meta import program_meta  # noqa: E402
 from fxshard.testing.models import llama, llama_plan, tokens  # noqa: E402
 
 def _clocks() -> tuple[float, float]:
@@ -199,7 +200,7 @@ def _hf_llama_meta(size: str, tp: int, repeats: int, plain_export: bool = True) 
                    total_s=w2 - w0, total_cpu_s=c2 - c0)
         best = {k: min(v, best.get(k, v)) for k, v in run.items()}
     assert all(t.is_meta for t in sharded.parameters()), "a parameter was materialized"
-    note = gm.meta.get("capture_blocks", "")
+    note = program_meta(gm).capture_blocks or ""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the yardstick below
     # the yardstick: a plain non-strict torch.export of the same model, batch and sequence dynamic
     from torch.export import Dim

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import fxshard
-from fxshard.cli.launch import spawn
+from fxshard.testing.launch import spawn
 from fxshard.testing.models import llama, llama_plan
 
 WORLD = 4

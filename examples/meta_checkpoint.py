@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fxshard
-from fxshard.cli.launch import spawn
+from fxshard.testing.launch import spawn
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard.runtime.moe import expert_parallel, softmax_topk
-from fxshard.cli.launch import spawn
+from fxshard.testing.launch import spawn
 from fxshard.testing.moe_models import mixtral
 
 WORLD = 2

@@ -20,7 +20,7 @@ from fxshard.plan.specs import ContextParallel, ModuleSpec, colwise, context_par
 from fxshard.runtime.collectives import (all_gather, all_reduce, all_to_all, bind_mesh, bound_mesh, grad_sync, grad_sync_bucket, local_sizes,
                       local_span, reduce_over, reduce_scatter, shard)
 from fxshard.frontend.trace import trace
-from fxshard.plan.auto_plan import auto_plan
+from fxshard.planner.auto_plan import auto_plan
 from fxshard.transform import transform
 from fxshard.training.fsdp import fully_shard
 from fxshard.training.compile import compile  # noqa: A004 - fxshard.compile: one graph per transformer block
@@ -40,7 +40,7 @@ from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
 from fxshard.training.batch import shard_inputs
 from fxshard.training.accumulate import no_sync
 from fxshard.training.checkpointing import checkpoint_blocks, checkpointed_blocks
-from fxshard.pipelining.spec import pipeline
+from fxshard.plan.pipeline import pipeline
 from fxshard.pipelining.train_step import pipeline_transform, train_step
 
 __all__ = [

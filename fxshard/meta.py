@@ -43,11 +43,25 @@ markers are ``region_output`` nodes whose :class:`Boundary` has kind ``"statisti
 
 Fake tensors with the *global* shapes live in ``node.meta["val"]`` (written by
 ``fxshard.trace`` / ``record_shapes``, as torch.fx's FakeTensorProp does).
+
+The program-level contract: what a program carries as a whole (its mesh, each tensor's
+global layout and shape, its blocks, the capture's facts, what makes a module pipelined)
+is one :class:`ProgramMeta`, under the one key ``meta[PROGRAM_KEY]`` of the GraphModule (of a
+block's or carved region's sub-GraphModule, of a pipelined module), read and written only
+through :func:`program_meta` (no string key of ``gm.meta`` is read elsewhere:
+``tests/test_meta.py``).  :func:`pipeline_of` is the one answer to "is this a pipelined
+module", :func:`programs_of` the programs it runs; both live here so that the layers below
+``fxshard.pipelining`` (training, state, debug) never import it.
+
+Example::
+
+    program_meta(sharded).state["layers.0.attention.wq.weight"]   # ({"tp": Shard(0)}, (64, 64))
+    for program in programs_of(staged): ...                       # a pipelined module's stages
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
@@ -230,34 +244,132 @@ class NodeExtra(TypedDict, total=False):
     distributed_norm: str  # axis of the distributed_norm module around the node (regions -> distributed_norm_statistics)
 
 
-class ProgramMeta(TypedDict, total=False):
-    """The keys fxshard keeps in ``gm.meta`` of a program (graph-level state, read after
-    the transform by the runtime, state and debugging tools).  Writer -> readers."""
+PROGRAM_KEY = "fxshard_program"  # the one key fxshard keeps in a program's ``meta``: its ProgramMeta
 
-    fxshard_mesh: dict[str, int]  # axis sizes (record_plan -> dump, comm_summary, shards, grad_norm)
-    fxshard_context_parallel: dict  # {axis: {"method", "load_balance"}} (record_plan -> shard_inputs, explain)
-    fxshard_state: dict  # {fqn: (global layout, global shape)} of every tensor (shard_state -> state/*)
-    fxshard_blocks: dict  # {fqn: DimBlocks} of packed parameters (shard_state -> state/*)
-    fxshard_heads: dict  # {fqn: HeadReplicas} of KV heads held by several ranks (shard_state -> state/*, grad_norm)
-    fxshard_fsdp: str  # the axis FSDP2 must still be applied on (require_fully_shard -> fully_shard)
-    fxshard_fsdp_units: list  # block FQNs, in order (split_blocks -> fully_shard, fxshard.compile)
-    fxshard_block: str  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
-    fxshard_activation_checkpoint: bool  # on a block's sub-GraphModule: its forward runs checkpointed
-    #   (training.checkpointing.checkpoint_blocks -> fxshard.compile, checkpointed_blocks)
-    fxshard_pipeline_stage: dict  # on a pipeline stage: {"stage", "blocks"} (pipelining.stages -> PipelinedModule)
-    fxshard_pipeline: dict  # on a PipelinedModule: spec, stage ids, number of stages (pipelining.train_step ->
-    #   fully_shard, grad_norm, compile, checkpoint_blocks, comm_summary)
-    fxshard_region: str  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
-    fxshard_lifted: Any  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
-    captured_by: str  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
-    static_input_dims: list  # [(placeholder, dim, size)]: input dims export kept static, the model's code fixing them
-    #   (frontend.capture -> frontend.static_sizes: the transformed program's input check)
-    input_dim_ranges: list  # [(placeholder, dim, low, high, fixed, bounds)]: symbolic input dims whose range export narrowed,
-    #   a size derived from them fixed by the model's code (frontend.trace -> frontend.static_sizes: the input check)
-    capture_blocks: str  # "stamped 29 of 32 blocks of model.layers from 3 captured" or "captured in full: <why>" (frontend.repeated_blocks)
-    model_class: str  # class name of the captured model (frontend.trace -> GraphModule name)
-    model_type: str  # HF config.model_type, if any (frontend.trace -> dump)
-    module_dicts: list  # FQNs of nn.ModuleDict containers (frontend.trace -> split_blocks)
+
+@dataclass
+class PipelineInfo:
+    """What makes a module pipelined (``ProgramMeta.pipeline``, written by
+    ``fxshard.pipelining.PipelinedModule``): ``spec`` the :class:`fxshard.plan.pipeline.PipelineSpec`,
+    this rank's ``stage_ids`` of ``num_stages``, its place ``pp_rank`` on the ``pp_size`` ranks.
+
+    The module it is found on (:func:`pipeline_of`) holds this rank's stage GraphModules in
+    ``.stages`` (:func:`programs_of`), and offers ``sync_stage_state()`` / ``adopt_stage_state()``
+    (its tensors into the stages / the stages' into it), ``owned_parameters()`` (a tied
+    parameter on its first pipeline rank only) and ``pp_group``: what ``fxshard.training``
+    needs of it without importing ``fxshard.pipelining`` (a higher layer)."""
+
+    spec: Any
+    stage_ids: list[int]
+    num_stages: int
+    pp_size: int
+    pp_rank: int
+
+
+@dataclass
+class StageInfo:
+    """``ProgramMeta.pipeline_stage`` of a pipeline stage's GraphModule: its index and the
+    transformer blocks it holds (``fxshard.pipelining.stages`` -> grad_norm, tests)."""
+
+    stage: int
+    blocks: list[str]
+
+
+@dataclass
+class ProgramMeta:
+    """The state fxshard keeps on a program (a GraphModule from the capture or the transform,
+    a block's or carved region's sub-GraphModule, a pipelined module), for the later passes,
+    the runtime, the state and the debugging tools: one object under ``meta[PROGRAM_KEY]``,
+    read and written through :func:`program_meta`.  ``GraphModule.__deepcopy__`` and pickling
+    keep ``meta`` (so copies keep it); ``fx.GraphModule(root, graph)`` starts an empty ``meta``:
+    who builds a program that way copies what it keeps (``transform._copy_graph_module``:
+    :meth:`captured`; ``pipelining.stages``).  Writer -> readers on each line."""
+
+    # -- the capture (fxshard.frontend): kept by the transform (captured()) ----------------------------
+    captured_by: str | None = None  # "torch.export" | "torch.fx" (frontend.capture, frontend.trace -> error messages)
+    model_class: str | None = None  # class name of the captured model (frontend -> GraphModule name, guards' messages)
+    model_type: str | None = None  # HF config.model_type, if any (frontend.trace -> state.hf_checkpoint)
+    module_dicts: list | None = None  # FQNs of nn.ModuleDict containers (frontend.trace -> split_blocks)
+    static_input_dims: list | None = None  # [(placeholder, dim, size)]: input dims export kept static, the model's
+    #   code fixing them (frontend.capture -> frontend.static_sizes: the transformed program's input check)
+    input_dim_ranges: list | None = None  # [(placeholder, dim, low, high, fixed, bounds)]: symbolic input dims whose
+    #   range export narrowed, a size derived from them fixed by the model's code (frontend.static_sizes -> its check)
+    capture_blocks: str | None = None  # "stamped 29 of 32 blocks of model.layers from 3 captured" or
+    #   "captured in full: <why>" (frontend.repeated_blocks, frontend.capture -> benchmarks, tests)
+    # -- the transform ------------------------------------------------------------------------------
+    mesh: dict[str, int] | None = None  # axis sizes (bind_runtime -> dump, comm_summary, shards, grad_norm, batch)
+    context_parallel: dict | None = None  # {axis: {"method", "load_balance"}} (bind_runtime -> batch, runtime)
+    state: dict | None = None  # {fqn: (global layout, global shape)} of every tensor (shard_state -> state/*,
+    #   grad_norm, batch); None: not a transformed program
+    blocks: dict = field(default_factory=dict)  # {fqn: DimBlocks} of packed parameters (shard_state -> state/*)
+    heads: dict = field(default_factory=dict)  # {fqn: HeadReplicas} of KV heads held by several ranks
+    #   (shard_state -> state/*, grad_norm)
+    fsdp: str | None = None  # the axis FSDP2 must still be applied on (register_program -> training.fsdp)
+    fsdp_units: list | None = None  # block FQNs, in order (split_blocks -> training.fsdp, compile, checkpointing)
+    block: str | None = None  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
+    activation_checkpoint: bool = False  # on a block's sub-GraphModule: its forward runs checkpointed
+    #   (training.checkpointing.checkpoint_blocks -> training.compile, checkpointed_blocks)
+    region: str | None = None  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
+    lifted: Any = None  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
+    # -- pipelining ----------------------------------------------------------------------------------
+    pipeline_stage: StageInfo | None = None  # on a pipeline stage (pipelining.stages -> grad_norm)
+    pipeline: PipelineInfo | None = None  # on a PipelinedModule (pipelining.train_step -> pipeline_of)
+
+    def captured(self) -> "ProgramMeta":
+        """A new ProgramMeta with this one's capture fields only (what a re-built program keeps)."""
+        return ProgramMeta(**{f: getattr(self, f) for f in CAPTURE_FIELDS})
+
+
+CAPTURE_FIELDS = ("captured_by", "model_class", "model_type", "module_dicts", "static_input_dims", "input_dim_ranges",
+                  "capture_blocks")
+
+
+class _Unset(ProgramMeta):
+    """What :func:`program_meta` answers for a module that carries none: every field empty,
+    and writing one raises (it would be lost: write with ``program_meta(m, create=True)``)."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"this module carries no ProgramMeta: write ProgramMeta.{name} through "
+                             f"program_meta(module, create=True)")
+
+
+def program_meta(module: Any, create: bool = False) -> ProgramMeta:
+    """The :class:`ProgramMeta` of a program: a GraphModule, a block's or region's
+    sub-GraphModule, a pipelined module, or any module that carries one.  A module that
+    carries none gets an empty read-only one, or (``create=True``) a new one, stored.
+
+    Example::
+
+        program_meta(sharded).state            # {fqn: (layout, shape)}; None if not transformed
+        program_meta(gm, create=True).mesh = dict(ctx.axes)
+    """
+    meta = getattr(module, "meta", None)
+    found = meta.get(PROGRAM_KEY) if isinstance(meta, dict) else None
+    if found is not None:
+        return found
+    if not create:
+        empty = object.__new__(_Unset)
+        for f in fields(ProgramMeta):
+            object.__setattr__(empty, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+        return empty
+    if not isinstance(meta, dict):
+        if meta is not None:
+            raise TypeError(f"{type(module).__name__}.meta is a {type(meta).__name__}, not a dict: it cannot carry a ProgramMeta")
+        meta = {}
+        module.meta = meta
+    found = meta[PROGRAM_KEY] = ProgramMeta()
+    return found
+
+
+def pipeline_of(module: Any) -> PipelineInfo | None:
+    """The one answer to "is this a pipelined module" (``fxshard.pipeline_transform``'s
+    result): its :class:`PipelineInfo`, or None."""
+    return program_meta(module).pipeline
+
+
+def programs_of(module: Any) -> list:
+    """The programs a module runs: a pipelined module's stages on this rank, else ``[module]``."""
+    return list(module.stages) if pipeline_of(module) is not None else [module]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from fxshard.frontend.capture import flat_inputs
 from fxshard.frontend.static_sizes import guard_static_input_sizes
 from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
 from fxshard.markers import is_marker
-from fxshard.meta import KEY, PassContext, Rewrite, TensorInfo
+from fxshard.meta import KEY, PROGRAM_KEY, PassContext, Rewrite, TensorInfo, program_meta
 from fxshard.runtime import collectives
 from fxshard.plan.plan import Plan
 from fxshard.training.batch import guard_equal_pieces
@@ -139,9 +139,10 @@ def rewritten(*rewrites: Rewrite) -> Fact:
     return Fact(f"rewrite {names} done", lambda gm: _first(gm, asks, f"still asks for rewrite {names} (NodeInfo.rewrite)"))
 
 
-def program(key: str) -> Fact:
-    """``gm.meta[key]`` is set (program state, :class:`fxshard.meta.ProgramMeta`)."""
-    return Fact(f"gm.meta[{key!r}]", lambda gm: None if key in gm.meta else f"gm.meta[{key!r}] is not set")
+def program(field: str) -> Fact:
+    """``ProgramMeta.<field>`` is set (program state, :class:`fxshard.meta.ProgramMeta`)."""
+    return Fact(f"ProgramMeta.{field}",
+                lambda gm: None if getattr(program_meta(gm), field) is not None else f"ProgramMeta.{field} is not set")
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,10 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("check_fsdp_axis", check_fsdp_axis, requires=(LAYOUTS, COLLECTIVES), when=_under_fsdp),
     Pass("bucket_grad_syncs", bucket_grad_syncs, requires=(COLLECTIVES,), ensures=(COLLECTIVES,)),
     # -- the program on this rank ----------------------------------------------------------------------
-    Pass("bind_runtime", bind_runtime, ensures=(program("fxshard_mesh"),), per_rank=True),
-    Pass("shard_state", shard_state, requires=(LAYOUTS,), ensures=(program("fxshard_state"),), per_rank=True),
+    Pass("bind_runtime", bind_runtime, ensures=(program("mesh"),), per_rank=True),
+    Pass("shard_state", shard_state, requires=(LAYOUTS,), ensures=(program("state"),), per_rank=True),
     Pass("cleanup", cleanup, requires=(COLLECTIVES,), per_rank=True),
-    Pass("split_blocks", split_blocks, ensures=(program("fxshard_fsdp_units"),), when=_splits_blocks, per_rank=True),
+    Pass("split_blocks", split_blocks, ensures=(program("fsdp_units"),), when=_splits_blocks, per_rank=True),
     Pass("register_program", register_program, per_rank=True),
 )
 
@@ -417,11 +418,13 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     for n in graph.nodes:
         n.meta.pop(KEY, None)
-    new = fx.GraphModule(holder, graph, gm.meta.get("model_class", gm.__class__.__name__))
+    captured = program_meta(gm)
+    new = fx.GraphModule(holder, graph, captured.model_class or gm.__class__.__name__)
     _keep_unreferenced_state(gm, new, memo)
     keep_non_persistent(holder, new)
     keep_codegen(gm, new)
-    new.meta.update({k: v for k, v in gm.meta.items() if not k.startswith("fxshard")})
+    new.meta.update({k: v for k, v in gm.meta.items() if k != PROGRAM_KEY})  # torch's own keys
+    new.meta[PROGRAM_KEY] = captured.captured()  # the capture's facts, not a former transform's state
     return new
 
 

@@ -8,19 +8,19 @@ program, for the state, training and debugging tools.
 
 Runs on every rank (under simulated ranks: inside their LocalTensorMode).
 Reads:  ``ctx.mesh``, ``ctx.cp_axes``; ``grad_sync`` calls with ``replicas=``.
-Writes: the runtime's bound mesh; ``gm.meta["fxshard_mesh"]``, ``gm.meta["fxshard_context_parallel"]``.
+Writes: the runtime's bound mesh; ``ProgramMeta.mesh``, ``ProgramMeta.context_parallel``.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.meta import PassContext
+from fxshard.meta import PassContext, program_meta
 from fxshard.runtime import collectives
 
 
 def bind_runtime(gm: fx.GraphModule, ctx: PassContext) -> None:
     collectives.bind_mesh(ctx.mesh)
     collectives.bind_replica_groups(gm)
-    gm.meta["fxshard_mesh"] = dict(ctx.axes)
-    gm.meta["fxshard_context_parallel"] = {a: {"method": cp.method, "load_balance": cp.load_balance}
-                                           for a, cp in ctx.cp_axes.items()}
+    program = program_meta(gm, create=True)
+    program.mesh = dict(ctx.axes)
+    program.context_parallel = {a: {"method": cp.method, "load_balance": cp.load_balance} for a, cp in ctx.cp_axes.items()}

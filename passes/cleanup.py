@@ -13,17 +13,10 @@ import torch.fx as fx
 from fxshard.state.module_state import drop_unused_modules
 
 from fxshard.runtime import collectives
+from fxshard.frontend.capture import mutates
 from fxshard.meta import PassContext
 
 _INVERSE = {collectives.shard: collectives.all_gather, collectives.all_gather: collectives.shard}
-
-
-def mutates(node: fx.Node) -> bool:
-    """Kept although unused: fx's own test, and in-place ``Tensor`` methods
-    (``k[..., :2].copy_(x)`` writes into ``k`` and has no user)."""
-    if node.is_impure():
-        return True
-    return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
 
 
 def cleanup(gm: fx.GraphModule, ctx: PassContext) -> None:

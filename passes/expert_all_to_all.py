@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxshard.errors import PlanError
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info
 from fxshard.runtime.moe import ExpertParallelSpec, around_experts, ep_combine, ep_dispatch, ep_exchange_counts, swap_forward
-from fxshard.meta import PassContext
+from fxshard.meta import PassContext, program_meta
 
 _COLLECTIVES = {
     ep_exchange_counts: ("ep_exchange_counts", "all-to-all (tokens per expert)", "none"),
@@ -56,7 +56,7 @@ def expert_all_to_all(gm: fx.GraphModule, ctx: PassContext) -> None:
         if isinstance(module, fx.GraphModule):
             calls = [n for n in module.graph.nodes if n.op == "call_module" and n.target == spec.experts]
         for call in calls:
-            _around(module.graph, call, spec.axis, region, module.meta.get("fxshard_mesh") or {})
+            _around(module.graph, call, spec.axis, region, program_meta(module).mesh or {})
         if calls:
             module.graph.lint()
             module.recompile()

@@ -38,8 +38,8 @@ Reads:  ``.declared`` (:class:`~fxshard.meta.LocalRegion`) and ``.value`` of the
 Writes: the region's submodule; in a carved graph every node's ``.region``, the
         ``.value`` of ``get_attr`` nodes; in the outer graph the ``get_attr`` and
         ``grad_sync`` nodes (with ``.collective``) of lifted parameters,
-        ``nn_module_stack`` with absolute FQNs; ``gm.meta["fxshard_mesh"]`` of the
-        carved graph; ``.extra["region"]`` = ``"carved"`` or ``"as is: <why>"`` on
+        ``nn_module_stack`` with absolute FQNs; ``ProgramMeta.mesh`` and ``.region`` of
+        the carved graph; ``.extra["region"]`` = ``"carved"`` or ``"as is: <why>"`` on
         the region's node.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ from fxshard.runtime.moe import ExpertList, check_compute_signature, routed_forw
 
 from fxshard.passes.functionalize_leaves import functionalize
 from fxshard.passes.outline_regions import outline
-from fxshard.meta import PassContext
+from fxshard.meta import PassContext, program_meta
 from fxshard.state.module_state import attribute
 
 
@@ -74,9 +74,9 @@ def local_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         module = gm.get_submodule(node.target)
         _refuse_uneven(gm, node, region, axes)
-        if isinstance(module, fx.GraphModule) and module.meta.get("fxshard_region") == region.fqn:
+        if isinstance(module, fx.GraphModule) and program_meta(module).region == region.fqn:
             info(node).extra["region"] = "carved"  # a module called twice: carved at its first call
-            _pass_lifted(gm, node, region, module.meta["fxshard_lifted"], axes)
+            _pass_lifted(gm, node, region, program_meta(module).lifted, axes)
             continue
         if isinstance(region.experts, RoutedExpertsSpec):
             if region.pattern not in checked:  # the layers a plan entry matches are alike: check one
@@ -105,7 +105,7 @@ def local_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             _record_local_shapes(carved, node)
         lifted = _sync_in_graph(carved, region, syncs)
         _annotate(carved, region, axes)
-        carved.meta["fxshard_lifted"] = lifted
+        program_meta(carved, create=True).lifted = lifted
         _pass_lifted(gm, node, region, lifted, axes)
         _set_submodule(gm, node.target, carved)
         info(node).extra["region"] = "carved"
@@ -460,8 +460,8 @@ def _annotate(carved: fx.GraphModule, region: LocalRegion, axes: dict[str, int])
             layout = region.params.get(fqn)
             if isinstance(t, torch.Tensor) and layout is not None:
                 m.value = TensorInfo(layout, tuple(t.shape), local_shape(t.shape, layout, axes), t.dtype, t.requires_grad)
-    carved.meta["fxshard_mesh"] = dict(axes)
-    carved.meta["fxshard_region"] = region.fqn
+    program = program_meta(carved, create=True)
+    program.mesh, program.region = dict(axes), region.fqn
     carved.recompile()
 
 

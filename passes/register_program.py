@@ -7,7 +7,7 @@ With ``Plan(fsdp=axis)`` the program refuses to run until :func:`fxshard.fully_s
 has been applied (fxshard syncs no gradient on that axis).
 
 Reads:  ``ctx.fsdp_axes``; the program's parameters.
-Writes: ``gm.meta["fxshard_fsdp"]`` and a forward pre-hook (FSDP2 only); the parameter registry.
+Writes: ``ProgramMeta.fsdp`` and a forward pre-hook (FSDP2 only); the parameter registry.
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ under the same FQN (so ``state_dict`` keys do not change); tied parameters stay 
 Replicated ones are cloned: until here the transform's copy shares the input model's
 storage (no full copy of a large model is ever made), and training must not write
 into the user's model.  On the meta device nothing is allocated.
-The global layout and shape of every tensor are kept in ``gm.meta["fxshard_state"]``
+The global layout and shape of every tensor are kept in ``ProgramMeta.state``
 (``{fqn: (layout, global_shape)}``; fused parameters' part sizes in
-``gm.meta["fxshard_blocks"]``, replicated heads' :class:`~fxshard.layout.placements.HeadReplicas` in
-``gm.meta["fxshard_heads"]``), from which :func:`fxshard.full_state_dict`
+``ProgramMeta.blocks``, replicated heads' :class:`~fxshard.layout.placements.HeadReplicas` in
+``ProgramMeta.heads``), from which :func:`fxshard.full_state_dict`
 gathers a full checkpoint and :func:`fxshard.load_full_state_dict` slices one.
 
 Under simulated ranks (``LocalTensorMode``) the coordinate is per rank, so each
@@ -19,7 +19,7 @@ Parameters of local regions (``LocalRegion.params``) are sliced the same way; a
 region's children owned by other ranks (module-list experts) are deleted.
 
 Reads:  ``.value`` of ``get_attr`` nodes, ``.declared`` of local regions; the mesh coordinate.
-Writes: module attributes; ``gm.meta["fxshard_state"]``.
+Writes: module attributes; ``ProgramMeta.state``, ``.blocks``, ``.heads`` (:mod:`fxshard.meta`).
 """
 from __future__ import annotations
 
@@ -27,40 +27,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed._local_tensor import enabled_local_tensor_mode
-from torch.distributed.tensor import Shard
 
-from fxshard.layout.placements import HeadReplicas, blocks_on, chunk, is_replicate
-from fxshard.plan.mesh import mesh_coordinate, mesh_shape
+from fxshard.layout.placements import HeadReplicas, is_replicate
+from fxshard.plan.mesh import mesh_coordinate
 from fxshard.errors import PlanError
 from fxshard.meta import LocalRegion, TensorInfo, info
-from fxshard.meta import PassContext
+from fxshard.meta import PassContext, program_meta
+from fxshard.state.shards import local_slice
 from fxshard.state.module_state import attribute
-
-
-def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None,
-                heads: HeadReplicas | None = None) -> torch.Tensor:
-    """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first).
-    With ``blocks`` (a fused parameter), each part of the sharded dim is sliced on its
-    own and the slices are concatenated.  With ``heads`` (replicated heads), the dim is
-    cut into ``heads.heads`` pieces on ``heads.axis``, each held by consecutive ranks."""
-    axes, coord = mesh_shape(mesh), mesh_coordinate(mesh)
-    lm = enabled_local_tensor_mode()
-    if lm is not None and not hasattr(t, "_local_tensors"):
-        t = lm.rank_map(lambda r, t=t: t.clone())  # per-rank copies, then per-rank slices
-    for axis, p in layout.items():
-        if isinstance(p, Shard):
-            sizes = blocks_on(blocks, p.dim)
-            parts = t.split(list(sizes), p.dim) if sizes else (t,)
-            pieces = []
-            ranks, index = axes[axis], coord[axis]
-            if heads is not None and heads.axis == axis and ranks > heads.heads:
-                ranks, index = heads.heads, index // (ranks // heads.heads)
-            for part in parts:  # torch.chunk pieces: the last ranks hold less where the axis does not divide
-                size = part.shape[p.dim]
-                pieces.append(part.narrow(p.dim, index * (size // ranks), size // ranks) if size % ranks == 0
-                              else part.narrow(p.dim, *chunk(size, ranks, index)))
-            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.dim)
-    return t
 
 
 def shard_state(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -109,9 +83,8 @@ def shard_state(gm: fx.GraphModule, ctx: PassContext) -> None:
                 mod._parameters[name] = new
             else:
                 mod._buffers[name] = new
-    gm.meta["fxshard_state"] = state
-    gm.meta["fxshard_blocks"] = blocks
-    gm.meta["fxshard_heads"] = heads
+    program = program_meta(gm, create=True)
+    program.state, program.blocks, program.heads = state, blocks, heads
     return
 
 

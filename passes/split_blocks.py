@@ -7,7 +7,7 @@ the nodes of each transformer block (found by ``nn_module_stack``) into a
 sub-GraphModule at the block's FQN and calls it, so ``sharded.layers[0]`` is the
 block again, with its parameters under their own names (``state_dict`` keys do not
 change).  The nodes keep their metadata, so dumps and the comm summary walk into the
-blocks (``gm.meta["fxshard_block"]`` on each).
+blocks (``ProgramMeta.block`` on each).
 
 A block is, by default, an item of a module list or dict: the outermost module in a
 node's stack whose last name is a number (``layers.0``, ``model.layers.3``,
@@ -16,8 +16,8 @@ others.  Runs under ``Plan(fsdp=...)`` and with ``transform(blocks=...)``.  No n
 (``fxshard.transform`` keeps gradient-sync buckets within a block when it splits);
 such a graph is a PlanError naming the node.
 
-Reads:  ``nn_module_stack``; ``gm.meta["module_dicts"]`` (written by ``fxshard.trace``).
-Writes: the block submodules; ``gm.meta["fxshard_fsdp_units"]`` (block FQNs, in order).
+Reads:  ``nn_module_stack``; ``ProgramMeta.module_dicts`` (written by ``fxshard.trace``).
+Writes: the block submodules; ``ProgramMeta.fsdp_units`` (block FQNs, in order).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from fxshard.errors import PlanError
 from fxshard.state.module_state import add_missing_state, named_state
 
 from fxshard.passes.outline_regions import outline
-from fxshard.meta import PassContext, block_of  # noqa: F401 - block_of: the blocks this pass splits out
+from fxshard.meta import PassContext, block_of, program_meta  # noqa: F401 - block_of: the blocks this pass splits out
 
 def split_blocks(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Outline every block into a sub-GraphModule called once (in place)."""
@@ -44,7 +44,8 @@ def split_blocks(gm: fx.GraphModule, ctx: PassContext) -> None:
             "blocks='auto' found no item of a module list or dict")
         raise PlanError(f"fxshard.transform: {which}, so there is no transformer block to split out\n  fix: pass the "
                         f"blocks' FQN pattern, e.g. blocks='layers.*' (the modules that repeat), or leave blocks= out")
-    mesh = gm.meta.get("fxshard_mesh")
+    program = program_meta(gm, create=True)
+    mesh = program.mesh
     for fqn, class_name in blocks.items():
         holder = gm.get_submodule(fqn)
         state = named_state(holder)
@@ -54,13 +55,14 @@ def split_blocks(gm: fx.GraphModule, ctx: PassContext) -> None:
         add_missing_state(block, state)  # a GraphModule keeps only what its graph reads
         for name, m in block.named_modules():
             m._non_persistent_buffers_set.update(non_persistent.get(name, ()))
-        block.meta["fxshard_block"] = fqn
+        block_program = program_meta(block, create=True)
+        block_program.block = fqn
         if mesh is not None:
-            block.meta["fxshard_mesh"] = dict(mesh)
-    dicts = set(gm.meta.get("module_dicts") or ())
+            block_program.mesh = dict(mesh)
+    dicts = set(program.module_dicts or ())
     for parent in {fqn.rpartition(".")[0] for fqn in blocks}:
         _as_container(gm, parent, dict_=parent in dicts)
-    gm.meta["fxshard_fsdp_units"] = list(blocks)
+    program.fsdp_units = list(blocks)
     return
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxshard.errors import node_error
 from fxshard.layout.placements import local_shape
-from fxshard.state.shards import chunk_range
+from fxshard.layout.placements import chunk
 from fxshard.meta import Rewrite, TensorInfo, info
 from fxshard.meta import PassContext
 
@@ -47,7 +47,7 @@ def vocab_parallel_embedding(gm: fx.GraphModule, ctx: PassContext) -> None:
         owner = weight.target.rsplit(".", 1)[0] if "." in weight.target else ""
         mod = gm.get_submodule(owner) if owner else gm
         # torch.chunk rows: where the axis does not divide the vocab, the last ranks hold fewer
-        pieces = [chunk_range(w.shape[0], n, i) for i in range(n)]
+        pieces = [chunk(w.shape[0], n, i) for i in range(n)]
         # on the weight's device, as the ids are (a CUDA model's ids minus a CPU table fail);
         # a meta weight's table stays on the CPU so that materialize() copies its values
         table_device = getattr(mod, weight.target.rsplit(".", 1)[-1]).device

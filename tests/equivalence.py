@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard.meta import KEY, TensorInfo
+from fxshard.meta import KEY, TensorInfo, program_meta
 
 try:
     from harness import make_mesh, plain, rank_map, rank_value, simulated, spawn
@@ -191,7 +191,7 @@ def input_layouts(gm: fx.GraphModule, plan) -> list[dict]:
 
 def load_balanced(gm: fx.GraphModule) -> frozenset:
     """The load-balanced context-parallel axes of a transformed graph."""
-    return frozenset(a for a, cp in (gm.meta.get("fxshard_context_parallel") or {}).items() if cp["load_balance"])
+    return frozenset(a for a, cp in (program_meta(gm).context_parallel or {}).items() if cp["load_balance"])
 
 
 def sliced_objective(loss_fn: Callable, out_layout: dict, mesh_shape: dict[str, int], balanced: frozenset = frozenset()) -> Callable:
@@ -382,7 +382,7 @@ def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphM
                   rank: int, coord: dict[str, int]) -> None:
     mesh = case.mesh_shape
     lb = load_balanced(sharded)
-    state = sharded.meta["fxshard_state"]
+    state = program_meta(sharded).state
     where = f"rank {rank} {coord}"
     for k in range(case.steps + 1):
         step = f"step {k}" if k < case.steps else f"after {case.steps} SGD steps"
@@ -403,8 +403,8 @@ def _compare_rank(case: Case, ref: Reference, rec: Reference, sharded: fx.GraphM
             if want is None:
                 assert g is None or not rank_value(g, rank).any(), f"{case.name}: {where}: {fqn} has a gradient, single device has none"
                 continue
-            blocks = sharded.meta.get("fxshard_blocks", {}).get(fqn)
-            heads = sharded.meta.get("fxshard_heads", {}).get(fqn)
+            blocks = program_meta(sharded).blocks.get(fqn)
+            heads = program_meta(sharded).heads.get(fqn)
             _close(None if g is None else rank_value(g, rank), slice_for(want, layout, coord, mesh, blocks, heads=heads), case,
                    f"{where} {step}: grad of {fqn}")
 
@@ -589,8 +589,8 @@ def check_real(world_size: int, model_factory, plan_factory, inputs, mesh_shape,
 def expected_local(sharded, mesh, full: torch.Tensor, fqn: str) -> torch.Tensor:
     """The shard of a global state tensor ``full`` that ``sharded`` (an offline
     transform at ``mesh``'s coordinate) holds under ``fqn``: fused parts cut one by one."""
-    from fxshard.passes.shard_state import local_slice
+    from fxshard.state.shards import local_slice
 
-    layout, _ = sharded.meta["fxshard_state"].get(fqn, (None, None))
-    return (local_slice(full, layout, mesh, sharded.meta["fxshard_blocks"].get(fqn), sharded.meta["fxshard_heads"].get(fqn))
+    layout, _ = program_meta(sharded).state.get(fqn, (None, None))
+    return (local_slice(full, layout, mesh, program_meta(sharded).blocks.get(fqn), program_meta(sharded).heads.get(fqn))
             if layout else full)

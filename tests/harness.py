@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fxshard.cli.launch import free_port, run_rank
+from fxshard.testing.launch import free_port, run_rank
 
 __all__ = ["free_port", "spawn", "simulated", "rank_map", "rank_value", "ranks_of", "make_mesh", "plain"]
 
@@ -52,6 +52,17 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float | None = None) ->
     with the traceback of every failed rank.  Ranks still running after ``timeout``
     seconds (default ``$FXSHARD_SPAWN_TIMEOUT`` or 300) are killed: ``TimeoutError``.
     """
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, args, timeout)
+        except mp.ProcessRaisedException as e:
+            # free_port's port was taken by another test's ranks before rank 0 listened on it (the
+            # workers of pytest -n race for ports): nothing ran yet, so the ranks start again
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout: float | None) -> None:
     timeout = SPAWN_TIMEOUT_S if timeout is None else timeout
     name = getattr(fn, "__qualname__", repr(fn))
     port = free_port()

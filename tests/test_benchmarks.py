@@ -223,6 +223,7 @@ CONFORMANCE = ["gemma3_text", "olmo2", "glm4", "starcoder2", "phi", "gpt_neox", 
                "qwen3_moe", "doge", "gemma3n_text"]
 
 
+@pytest.mark.sweep  # every HF decoder family: .ci/run's second stage
 def test_hf_conformance(results):
     """Every family: exact or a PlanError that says why; no crash, no wrong number."""
     pytest.importorskip("transformers")
@@ -239,7 +240,7 @@ def test_hf_conformance(results):
 
 
 def test_auto_plan_benchmark(results):
-    """auto_plan against HF's plan: strictly fewer wire bytes on Phi-3 (OLMo2 too: tests/test_auto_plan.py)."""
+    """auto_plan against HF's plan: strictly fewer wire bytes on Phi-3 (OLMo2 too: tests/planner/test_auto_plan.py)."""
     pytest.importorskip("transformers")
     out = results / "auto_plan.json"
     _run([str(BENCH / "auto_plan.py"), "--families", "phi3", "--out", str(out)], timeout=600)

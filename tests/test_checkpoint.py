@@ -21,6 +21,7 @@ from fxshard.state.shards import shard_runs
 from fxshard.testing.models import LlamaArgs, llama, llama_plan, tokens
 
 from harness import make_mesh, spawn
+from fxshard.meta import program_meta
 
 ARGS = LlamaArgs(n_heads=8, n_kv_heads=4, fused_qkv=True, fused_w13=True)  # fused: a shard is several boxes
 IDS = tokens(4, 8, 128, seed=1)
@@ -84,7 +85,7 @@ def _resume(rank, world_size, root, mesh_shape, batch_on_dp):
     fxshard.load(sharded, os.path.join(root, "step2"), optimizer=opt)
     assert opt.state, "optimizer state was not restored"
     if batch_on_dp:
-        dp = sharded.meta["fxshard_mesh"]["dp"]
+        dp = program_meta(sharded).mesh["dp"]
         coord = fxshard.bound_mesh().get_coordinate()[0]
         ids = IDS.chunk(dp)[coord]
         # a mean loss over the dp-sharded batch: average the per-rank losses' gradients

@@ -19,6 +19,7 @@ from fxshard.meta import KEY
 from fxshard.testing.models import WithLoss, gpt2, llama, llama_plan, tokens
 from equivalence import Case, check_real_cases, check_simulated
 from harness import simulated
+from fxshard.meta import program_meta
 
 V = 128
 IDS = tokens(2, 16, V)
@@ -57,7 +58,7 @@ def logits(o):
 @pytest.mark.parametrize("method,lb,cp", [("allgather", True, 2), ("ring", True, 4), ("allgather", False, 4), ("ring", False, 2)])
 def test_llama(method, lb, cp):
     sharded = check_simulated(llama, functools.partial(cp_plan, method=method, lb=lb), (IDS,), {"cp": cp})
-    assert sharded.meta["fxshard_context_parallel"] == {"cp": {"method": method, "load_balance": lb}}
+    assert program_meta(sharded).context_parallel == {"cp": {"method": method, "load_balance": lb}}
 
 
 @pytest.mark.parametrize("method,lb,cp", [("ring", True, 2), ("allgather", False, 4)])

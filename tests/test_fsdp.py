@@ -22,6 +22,7 @@ from fxshard import MeshSpec, Plan, PlanError
 from fxshard.testing.models import llama, llama_plan
 
 from harness import make_mesh, spawn
+from fxshard.meta import program_meta
 
 B, S, V = 4, 8, 128
 STEPS = 2
@@ -96,14 +97,14 @@ def _fsdp2_by_hand(model, mesh, blocks):
 def _check_llama(rank: int, world_size: int) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from fxshard.testing.bench import localize_llama_heads, torch_llama_plan
+    from fxshard.testing.bench_contenders import localize_llama_heads, torch_llama_plan
 
     mesh, ids, targets, mine, model, reference, want = _setup()
 
     # fxshard TP + FSDP2
     plan = Plan(mesh, llama_plan("tp", sequence_parallel=True), inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp")
     sharded = fxshard.transform(model, plan, example_inputs=(ids.clone(),))  # runs on ids[mine]: other tensors
-    assert [n for n in sharded.meta["fxshard_fsdp_units"]] == ["layers.0", "layers.1"]
+    assert [n for n in program_meta(sharded).fsdp_units] == ["layers.0", "layers.1"]
     assert isinstance(sharded.layers[0], torch.fx.GraphModule) and "self.layers" in sharded.code
     with pytest.raises(PlanError, match="fully_shard"):
         sharded(ids[mine])
@@ -186,7 +187,7 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
 
     example = ids.clone()  # one tensor under both names, as the README writes it; the run passes distinct ones
     sharded = fxshard.transform(model, plan, example_kwargs={"input_ids": example, "labels": example})
-    assert sharded.meta["fxshard_fsdp_units"] == ["model.layers.0", "model.layers.1"]
+    assert program_meta(sharded).fsdp_units == ["model.layers.0", "model.layers.1"]
     got, full = trains_as_one_device(sharded, "HF")
 
     # the same with HF's gradient checkpointing on: each decoder layer checkpointed inside FSDP2's hooks
@@ -199,7 +200,7 @@ def _check_hf_llama(rank: int, world_size: int) -> None:
     # DTensor TP with the plan equal to HF's, then FSDP2, on the same model
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from fxshard.testing.bench import torch_hf_llama_plan
+    from fxshard.testing.bench_contenders import torch_hf_llama_plan
 
     titan = parallelize_module(copy.deepcopy(model), mesh["tp"], torch_hf_llama_plan())
     _fsdp2_by_hand(titan, mesh, titan.model.layers)

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
 from fxshard.testing.hf_tiny import tiny_inputs
+from fxshard.meta import program_meta
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -67,7 +68,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma", "gpt2", "mistral"]
 def test_hf_family_simulated(family, tp):
     sharded = check_simulated(functools.partial(hf_model, family, tp), functools.partial(hf_plan, family=family, tp=tp),
                               (), {"tp": tp}, kwargs=BATCH, **CHECK)
-    assert sharded.meta["captured_by"] == "torch.export"
+    assert program_meta(sharded).captured_by == "torch.export"
     assert "CausalLMOutput" in str(sharded.graph._codegen.pytree_info.out_spec)  # the model's ModelOutput
 
 

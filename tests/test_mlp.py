@@ -16,6 +16,7 @@ from fxshard.testing.models import mlp
 
 from equivalence import Case, check_real_cases, check_simulated
 from harness import plain, rank_map, rank_value, simulated
+from fxshard.meta import program_meta
 
 DIM, HIDDEN = 32, 64
 X = torch.randn(4, 8, DIM, generator=torch.Generator().manual_seed(0))
@@ -112,7 +113,7 @@ def test_hidden_the_axis_does_not_divide_simulated(hidden, tp):
     """torch.chunk pieces (8, 8, 8, 6 of 30): exact forward, backward and SGD steps; the
     generated code is the same on every rank (no local size in it)."""
     sharded = check_simulated(functools.partial(mlp, seed=0, dim=DIM, hidden=hidden), mlp_plan, (X,), {"tp": tp})
-    layout, shape = sharded.meta["fxshard_state"]["fc1.weight"]
+    layout, shape = program_meta(sharded).state["fc1.weight"]
     assert shape == (hidden, DIM) and layout == {"tp": Shard(0)}
 
 

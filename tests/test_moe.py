@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxshard
 from equivalence import Case, check_real_cases
 from fxshard import MeshSpec, Plan
-from fxshard.meta import info
+from fxshard.meta import info, program_meta
 from fxshard.testing.moe_models import GroupedMoE, moe_plan, moe_transformer, route_to
 
 X = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
@@ -153,7 +153,7 @@ def test_recursive_dump_shows_the_all_to_alls():
 
 def test_expert_weights_are_sharded_and_router_replicated():
     sharded = _offline()
-    state = sharded.meta["fxshard_state"]
+    state = program_meta(sharded).state
     assert state["layers.0.moe.experts.w1"] == ({"ep": Shard(0)}, (4, 32, 32))
     assert tuple(sharded.get_parameter("layers.0.moe.experts.w1").shape) == (2, 32, 32)
     assert tuple(sharded.get_parameter("layers.0.moe.gate.weight").shape) == (4, 32)

@@ -20,6 +20,7 @@ import fxshard
 from fxshard.testing.models import llama, llama_plan, tokens
 from fxshard.training.compile import compiled_blocks
 from harness import make_mesh, spawn
+from fxshard.meta import program_meta
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -171,7 +172,7 @@ def test_blocks_split_without_fsdp_keep_their_buckets_and_refusals():
     ids = tokens(4, 8, 128)
     plan = fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), llama_plan("tp", sequence_parallel=True))
     sharded = fxshard.transform(llama(n_layers=2), plan, (ids,), blocks="auto")
-    assert sharded.meta["fxshard_fsdp_units"] == ["layers.0", "layers.1"]
+    assert program_meta(sharded).fsdp_units == ["layers.0", "layers.1"]
     for program, members in [(sharded, ["norm_weight"])] + [(block, ["ffn_norm_weight", "attention_norm_weight"])
                                                            for block in sharded.layers]:
         (bucket,) = [n for n in program.graph.nodes if n.target is fxshard.grad_sync_bucket]

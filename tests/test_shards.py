@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from fxshard import MeshSpec
-from fxshard.passes.shard_state import local_slice
-from fxshard.state.shards import assemble, boxes, chunk_range, local_shape, shard_runs
+from fxshard.state.shards import local_slice
+from fxshard.layout.placements import chunk as chunk_range
+from fxshard.state.shards import assemble, boxes, local_shape, shard_runs
 
 
 def _cut(full, runs):

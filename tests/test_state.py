@@ -15,6 +15,7 @@ from fxshard.testing.models import LlamaArgs, llama, llama_plan, tokens
 
 from equivalence import coords_of, slice_for
 from harness import make_mesh, plain, rank_map, rank_value, simulated, spawn
+from fxshard.meta import program_meta
 
 IDS = tokens(4, 8, 128, seed=1)
 
@@ -45,9 +46,9 @@ def _modified(sd: dict) -> dict:
 
 def _expected_local(full: torch.Tensor, fqn: str, sharded, coord, mesh_shape) -> torch.Tensor:
     """The slice a rank holds: fused parameters are sharded part by part."""
-    layout, _ = sharded.meta["fxshard_state"][fqn]
-    return slice_for(full, layout, coord, mesh_shape, sharded.meta.get("fxshard_blocks", {}).get(fqn),
-                     heads=sharded.meta.get("fxshard_heads", {}).get(fqn))
+    layout, _ = program_meta(sharded).state[fqn]
+    return slice_for(full, layout, coord, mesh_shape, program_meta(sharded).blocks.get(fqn),
+                     heads=program_meta(sharded).heads.get(fqn))
 
 
 def _check_round_trip(sharded, model, mesh_shape, ranks, coord_of) -> None:

@@ -32,11 +32,26 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines under ``if TYPE_CHECKING:``: imports for annotations only, never run."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, child.end_lineno + 1))
+    return lines
+
+
 def _imports(mods: dict[str, Path]):
-    """(importer, imported module, name) for every fxshard import, also inside functions."""
+    """(importer, imported module, name) for every fxshard import, also inside functions
+    (not those under ``if TYPE_CHECKING:``)."""
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = _type_checking_lines(tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in typing_only:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -51,6 +66,55 @@ def _imports(mods: dict[str, Path]):
                 for alias in node.names:
                     if alias.name.startswith("fxshard"):
                         yield name, alias.name, None
+
+
+# The layers of docs/design.md ("Where the code lives"), lowest first: a module imports its own
+# layer or lower ones, never a higher one (imports inside functions included).  A module
+# belongs to the layer of its longest prefix here.
+LAYERS = [
+    ("errors and markers", ["fxshard.errors", "fxshard.markers"]),
+    ("plan vocabulary", ["fxshard.plan.specs", "fxshard.plan.mesh", "fxshard.plan.pipeline"]),
+    ("meta contract", ["fxshard.meta"]),
+    ("layouts", ["fxshard.layout"]),
+    ("runtime", ["fxshard.runtime"]),
+    ("state", ["fxshard.state"]),
+    ("plan", ["fxshard.plan"]),
+    ("front end", ["fxshard.frontend"]),
+    ("training helpers", ["fxshard.training"]),
+    ("passes", ["fxshard.passes"]),
+    ("transform", ["fxshard.transform"]),
+    ("debugging", ["fxshard.debug"]),
+    ("pipelining", ["fxshard.pipelining"]),
+    ("testing and demo models", ["fxshard.testing"]),
+    ("trainer", ["fxshard.trainer"]),
+    ("planner", ["fxshard.planner"]),
+    ("third-party conformance cases", ["fxshard.testing.third_party"]),
+    ("public face", ["fxshard"]),
+    ("command line", ["fxshard.cli", "fxshard.__main__"]),
+]
+
+
+def layer_of(module: str) -> int:
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is in no layer of LAYERS (docs/design.md)"
+    return best[1]
+
+
+def test_imports_go_down_the_layers():
+    mods = _modules()
+    upward = sorted({(a, b, LAYERS[layer_of(a)][0], LAYERS[layer_of(b)][0]) for a, b, _ in _imports(mods)
+                     if b in mods and layer_of(b) > layer_of(a)})
+    assert not upward, "imports against the layer order of docs/design.md:\n" + "\n".join(
+        f"  {a} ({la}) -> {b} ({lb})" for a, b, la, lb in upward)
+
+
+def test_the_design_lists_the_layers_in_order():
+    design = (ROOT / "docs" / "design.md").read_text()
+    listed = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", design, re.S)
+    assert listed, "docs/design.md: the layer list between <!-- layers --> markers"
+    names = [m.group(1) for m in re.finditer(r"^\d+\. \*\*(.+?)\*\*", listed.group(1), re.M)]
+    assert names == [name for name, _ in LAYERS], names
 
 
 def test_imports_form_no_circle():

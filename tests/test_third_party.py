@@ -14,6 +14,7 @@ import torch
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated
 from fxshard.testing import third_party
+from fxshard.meta import program_meta
 
 CASES = {c.name: c for c in third_party.all_cases()}  # nothing imported yet: collection stays cheap on every worker
 KNOWN = list(CASES)
@@ -44,7 +45,7 @@ def _check(case):
         assert "internal error" not in str(info.value)
         return
     sharded = check_simulated(case.build, case.plan, inputs, {"tp": 2}, **kw)
-    state = sharded.meta["fxshard_state"]
+    state = program_meta(sharded).state
     sharded_params = [fqn for fqn, (layout, _) in state.items()
                       if any(isinstance(p, torch.distributed.tensor.Shard) for p in (layout or {}).values())]
     assert sharded_params, f"{case.name}: the plan shards no parameter; the check proves nothing"
@@ -56,6 +57,7 @@ def test_third_party_quick(name):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # every case of every library: .ci/run's second stage (the quick cases above stay)
 @pytest.mark.parametrize("name", WIDE)
 def test_third_party_sweep(name):
     _check(_case(name))

@@ -12,6 +12,7 @@ pytest.importorskip("torchtitan")
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated, cross_entropy
 from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3, tiny_qwen3_moe
+from fxshard.meta import program_meta
 
 V = 128
 
@@ -45,7 +46,7 @@ IDS, TGT = _data()
 def test_torchtitan_llama3_simulated(tp, sp):
     sharded = check_simulated(functools.partial(llama3, tp), functools.partial(titan_plan, tp=tp, sequence_parallel=sp),
                               (IDS,), {"tp": tp}, loss_fn=cross_entropy, targets=(TGT,), lr=0.5)
-    assert sharded.meta["captured_by"] == "torch.export"
+    assert program_meta(sharded).captured_by == "torch.export"
 
 
 def test_torchtitan_llama3_loss_parallel_simulated():

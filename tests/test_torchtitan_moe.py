@@ -15,6 +15,7 @@ import fxshard
 from equivalence import Case, check_real_cases, cross_entropy
 from test_moe import CountAllToAll
 from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_qwen3_moe
+from fxshard.meta import program_meta
 
 V = 128
 # torchtitan's GroupedExperts compute in bfloat16 whatever the model's dtype: a
@@ -80,7 +81,7 @@ def test_torchtitan_moe_plan_transforms_offline():
     whose experts hold their ep shard; the dense first layer is untouched."""
     plan = fxshard.Plan.from_torchtitan(fxshard.MeshSpec(("ep",), (2,)), tiny_deepseek_v3())
     sharded = fxshard.transform(tiny_deepseek_v3(), plan, example_inputs=(IDS,))
-    assert sharded.meta["captured_by"] == "torch.export"
+    assert program_meta(sharded).captured_by == "torch.export"
     w1 = sharded.get_parameter("layers.1.moe.routed_experts.inner_experts.w1_EFD")
     assert tuple(w1.shape) == (2, 32, 64)  # 4 experts, 2 per rank
     assert tuple(sharded.get_parameter("layers.0.feed_forward.w1.weight").shape) == (128, 64)

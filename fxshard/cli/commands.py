@@ -245,7 +245,7 @@ def run_dump(args: argparse.Namespace) -> int:
         model = load_model(args.model)
         inputs = load_inputs(args.example, model)
         if args.plan == "auto":  # fxshard.auto_plan on the first axis; the plan it found goes to stderr
-            from fxshard.plan.auto_plan import auto_plan
+            from fxshard.planner.auto_plan import auto_plan
 
             plan = auto_plan(model, mesh, inputs, axis=next(iter(mesh.names)))
             print(repr(plan), file=sys.stderr)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxshard.cli import launch
+from fxshard.testing import launch
 
 
 def _train(model, step_inputs, steps, lr=0.05, show_progress=False):

@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.debug.graph_walk import module_prefixes, block_module, module_path
-from fxshard.meta import KEY, TensorInfo
+from fxshard.meta import KEY, TensorInfo, pipeline_of, program_meta
 from fxshard.plan.specs import pattern_regex
 from fxshard.state.module_state import attribute
 
@@ -115,7 +115,7 @@ class CommRow:
     def wire_bytes(self) -> int:
         """Bytes one rank sends with a ring algorithm."""
         n = self.axis_size
-        if n < 1:  # axis size unknown (a graph without gm.meta["fxshard_mesh"])
+        if n < 1:  # axis size unknown (a graph without ProgramMeta.mesh)
             return self.bytes
         if self.kind in ("ring_shift", "send", "broadcast"):
             return self.bytes  # the whole block goes to one neighbour (a broadcast: from its root, with a tree less)
@@ -238,9 +238,9 @@ def comm_summary(gm: fx.GraphModule, region: str | None = None, *, inputs_requir
     ``inputs_require_grad``: count backward collectives that only the gradient of a
     floating-point graph input would run (off by default: inputs are data).
     """
-    if not isinstance(gm, fx.GraphModule) and callable(getattr(gm, "comm_summary", None)):
+    if pipeline_of(gm) is not None:
         return gm.comm_summary(region)  # a pipelined module: its stages and what crosses between them
-    mesh = dict(gm.meta.get("fxshard_mesh") or {})
+    mesh = dict(program_meta(gm).mesh or {})
     fwd_rows, bwd_rows = graph_rows(gm, mesh, region, [inputs_require_grad] * _n_inputs(gm))
     return CommSummary(mesh, fwd_rows + bwd_rows[::-1])
 
@@ -288,12 +288,12 @@ def _carries_grad(arg, grad: set) -> bool:
 
 
 def _local_region(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The sub-GraphModule an opaque local region runs (``gm.meta["fxshard_region"]``),
-    or a transformer block split out for FSDP2 (``gm.meta["fxshard_block"]``)."""
+    """The sub-GraphModule an opaque local region runs (``ProgramMeta.region``),
+    or a transformer block split out for FSDP2 (``ProgramMeta.block``)."""
     if node.op != "call_module":
         return None
     sub = gm.get_submodule(node.target)
-    if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target:
+    if isinstance(sub, fx.GraphModule) and program_meta(sub).region == node.target:
         return sub
     return block_module(gm, node)
 
@@ -419,7 +419,7 @@ def _ring_calls(node: fx.Node, coll) -> list[tuple]:
     """``fxshard.ring_attention``: ``n-1`` hops of the K and V blocks forward; backward
     ``n-1`` hops of K, V and ``n`` of their gradient accumulators (float32, the kernel's
     accumulation dtype)."""
-    n = (node.graph.owning_module.meta.get("fxshard_mesh") or {}).get(coll.axis, 0)
+    n = (program_meta(node.graph.owning_module).mesh or {}).get(coll.axis, 0)
     k, v = _tensor(node.args[1]), _tensor(node.args[2])
     if k is None or v is None or n < 2:
         return []

@@ -21,7 +21,7 @@ import torch.fx as fx
 from fxshard.debug.graph_walk import block_module, flat_nodes, module_path, module_prefixes, short_source
 from fxshard.errors import target_name
 from fxshard.layout.placements import dtype_short, fmt_placement, fmt_shape
-from fxshard.meta import KEY, SizeInfo, TensorInfo
+from fxshard.meta import KEY, SizeInfo, TensorInfo, pipeline_of, program_meta
 from fxshard.plan.specs import pattern_regex
 
 
@@ -52,9 +52,9 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, rec
     Transformer blocks split out for FSDP2 are shown inline, one row per node.  A pipelined
     module (``fxshard.pipeline_transform``) is dumped stage by stage (this rank's).
     """
-    if "fxshard_pipeline" in getattr(gm, "meta", {}):
+    if pipeline_of(gm) is not None:
         return "\n\n".join(f"== stage {i}\n" + dump(st, region, source, recursive) for i, st in zip(gm.stage_ids, gm.stages))
-    axes = list(gm.meta.get("fxshard_mesh") or {})
+    axes = list(program_meta(gm).mesh or {})
     if not axes:
         axes = sorted({a for n in flat_nodes(gm) for a in (getattr(n.meta.get(KEY), "value", None).layout
                        if isinstance(getattr(n.meta.get(KEY), "value", None), TensorInfo) else {})})
@@ -81,7 +81,7 @@ def dump(gm: fx.GraphModule, region: str | None = None, source: bool = True, rec
     for n in colls:
         c = n.meta[KEY].collective
         counts[f"{c.op}@{c.axis}"] = counts.get(f"{c.op}@{c.axis}", 0) + 1
-    mesh = " ".join(f"{a}={s}" for a, s in (gm.meta.get("fxshard_mesh") or {}).items())
+    mesh = " ".join(f"{a}={s}" for a, s in (program_meta(gm).mesh or {}).items())
     title = f"fxshard dump of {type(gm).__name__ if not hasattr(gm, '_get_name') else gm._get_name()}  mesh: {mesh or '?'}  " \
             f"nodes: {len(rows)}  collectives: {len(colls)}" + (f" ({', '.join(f'{k} x{v}' for k, v in sorted(counts.items()))})" if counts else "")
     lines = [title]
@@ -107,7 +107,7 @@ def _dump_regions(gm: fx.GraphModule, rx, region, source: bool) -> list[str]:
         if node.op != "call_module" or (rx is not None and not any(rx.match(p) for p in module_prefixes(node.target))):
             continue
         sub = gm.get_submodule(node.target)
-        if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_region") == node.target:
+        if isinstance(sub, fx.GraphModule) and program_meta(sub).region == node.target:
             out += ["", f"-- local region {node.target} ({type(sub).__name__}), run on local tensors --",
                     dump(sub, None, source, recursive=True)]
     return out

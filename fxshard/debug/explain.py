@@ -40,7 +40,7 @@ from fxshard.debug.graph_walk import block_links, flat_nodes, module_path
 from fxshard.errors import source_line
 from fxshard.errors import target_name
 from fxshard.layout.placements import dtype_short, fmt_placement, fmt_shape
-from fxshard.meta import KEY, SizeInfo, TensorInfo
+from fxshard.meta import KEY, SizeInfo, TensorInfo, pipeline_of, program_meta
 
 __all__ = ["explain"]
 
@@ -59,7 +59,7 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
     steps back each chain goes before it says where to continue.  A pipelined module
     (``fxshard.pipeline_transform``): the node is looked up in this rank's stages.
     """
-    if "fxshard_pipeline" in getattr(gm, "meta", {}):
+    if pipeline_of(gm) is not None:
         name = node.name if isinstance(node, fx.Node) else node
         holders = [(i, st) for i, st in zip(gm.stage_ids, gm.stages) if any(n.name == name for n in flat_nodes(st))]
         if not holders:
@@ -71,7 +71,7 @@ def explain(gm: fx.GraphModule, node: str | fx.Node, axis: str | None = None, ma
     target = _find(gm, node)
     links = block_links(gm)
     value = _value(target)
-    axes = list(gm.meta.get("fxshard_mesh") or {}) or (list(value.layout) if isinstance(value, TensorInfo) else [])
+    axes = list(program_meta(gm).mesh or {}) or (list(value.layout) if isinstance(value, TensorInfo) else [])
     if axis is not None:
         if axis not in axes:
             raise ValueError(f"fxshard.explain: axis {axis!r} is not on the mesh, whose axes are {axes}")

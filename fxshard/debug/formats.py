@@ -35,7 +35,7 @@ from fxshard.debug.comm_summary import in_region
 from fxshard.debug.graph_walk import short_source, block_links, flat_nodes, module_path
 from fxshard.errors import target_name
 from fxshard.layout.placements import dtype_short, fmt_placement
-from fxshard.meta import KEY, SizeInfo, TensorInfo
+from fxshard.meta import KEY, SizeInfo, TensorInfo, program_meta
 
 __all__ = ["node_records", "edge_records", "to_json", "to_networkx", "to_dot", "render"]
 
@@ -44,7 +44,7 @@ __all__ = ["node_records", "edge_records", "to_json", "to_networkx", "to_dot", "
 
 
 def _mesh(gm: fx.GraphModule) -> dict[str, int]:
-    mesh = dict(gm.meta.get("fxshard_mesh") or {})
+    mesh = dict(program_meta(gm).mesh or {})
     if mesh:
         return mesh
     axes: dict[str, int] = {}

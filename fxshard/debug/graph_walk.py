@@ -9,7 +9,7 @@ import os
 import torch.fx as fx
 
 from fxshard.errors import source_line
-from fxshard.meta import KEY
+from fxshard.meta import KEY, program_meta
 
 
 def short_source(node: fx.Node) -> str:
@@ -28,7 +28,7 @@ def block_module(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
     if node.op != "call_module":
         return None
     sub = gm.get_submodule(node.target)
-    return sub if isinstance(sub, fx.GraphModule) and sub.meta.get("fxshard_block") == node.target else None
+    return sub if isinstance(sub, fx.GraphModule) and program_meta(sub).block == node.target else None
 
 
 def flat_nodes(gm: fx.GraphModule):

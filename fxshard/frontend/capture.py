@@ -42,13 +42,21 @@ from torch.export import Dim
 
 from fxshard.markers import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.frontend.aten_ops import translate_aten
 from fxshard.frontend.dtype_reads import CAST, restore_dtype_reads, watching_dtype_reads
 from fxshard.frontend.opaque_regions import opaque_local_regions, restore_local_region_calls
 from fxshard.frontend.hf_masks import causal_attention_as_sdpa_flag, causal_mask_hint
 from fxshard.frontend.repeated_blocks import StampMismatch, fallback_note, only_captured_blocks, plan_stamping, stamp_blocks
 from fxshard.state.module_state import add_missing_state, named_state
-from fxshard.passes.cleanup import mutates
+
+
+def mutates(node: fx.Node) -> bool:
+    """Kept although unused: fx's own test, and in-place ``Tensor`` methods
+    (``k[..., :2].copy_(x)`` writes into ``k`` and has no user)."""
+    if node.is_impure():
+        return True
+    return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")
 
 
 @torch.library.custom_op("fxshard::module_boundary", mutates_args=())
@@ -71,7 +79,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
     dim but the last of float inputs being dynamic (``Dim.AUTO``: export keeps a dim
     static where the model needs it so).  ``repeated_blocks``: export only the first
     blocks of each kind and stamp the others (:mod:`fxshard.frontend.repeated_blocks`;
-    ``gm.meta["capture_blocks"]`` says what was done).  The model is not modified.
+    ``ProgramMeta.capture_blocks`` says what was done).  The model is not modified.
     """
     stamp, why = plan_stamping(model) if repeated_blocks else (None, "repeated_blocks=False")
     # each input its own storage: export fakeifies a tensor once, so ``labels=ids`` (or a
@@ -113,7 +121,7 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
                             f"kwargs, strict=False) must succeed), or pass a torch.fx-traceable model") from error
     gm = ep.module()
     if default_dynamic:
-        gm.meta["static_input_dims"] = static = _static_input_dims(gm, args, kwargs)
+        program_meta(gm, create=True).static_input_dims = static = _static_input_dims(gm, args, kwargs)
         if static:
             warnings.warn(f"{type(model).__name__}: the model's code fixes "
                           + ", ".join(f"{name!r} dim {d} at {size}" for name, d, size in static)
@@ -133,13 +141,14 @@ def capture(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), exa
             stamp_blocks(gm, model, stamp)
         except StampMismatch as e:
             gm = capture(model, plan, example_inputs, example_kwargs, dynamic_shapes, repeated_blocks=False)
-            gm.meta["capture_blocks"] = fallback_note(str(e), mismatch=True)
+            program_meta(gm, create=True).capture_blocks = fallback_note(str(e), mismatch=True)
             return gm
     gm.graph.eliminate_dead_code(is_impure_node=mutates)  # in-place writes have no users
     gm.recompile()
-    gm.meta["capture_blocks"] = stamp.describe() if stamp is not None else fallback_note(why, mismatch=False)
-    gm.meta["captured_by"] = "torch.export"
-    gm.meta["model_class"] = type(model).__name__
+    program = program_meta(gm, create=True)
+    program.capture_blocks = stamp.describe() if stamp is not None else fallback_note(why, mismatch=False)
+    program.captured_by = "torch.export"
+    program.model_class = type(model).__name__
     return gm
 
 

@@ -22,12 +22,12 @@ inside the block, the same node outside it, or the same position in the precedin
 block), which catches an index-dependent constant, a per-layer lifted tensor or an
 input chosen by position outside the block.  Whatever does not fit (one kind per block,
 a block whose values are used outside the stack, a mismatch) is captured in full, and
-``gm.meta["capture_blocks"]`` says which way and why (a mismatch also warns).
+``ProgramMeta.capture_blocks`` says which way and why (a mismatch also warns).
 
 Example::
 
     gm = fxshard.trace(hf_llama, plan, example_kwargs={"input_ids": ids})
-    gm.meta["capture_blocks"]   # 'stamped 30 of 32 blocks of model.layers from 2 captured'
+    program_meta(gm).capture_blocks   # 'stamped 30 of 32 blocks of model.layers from 2 captured'
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def _set_submodule(gm: fx.GraphModule, fqn: str, module: nn.Module) -> None:
 
 
 def fallback_note(why: str, mismatch: bool) -> str:
-    """What ``gm.meta["capture_blocks"]`` says of a full capture; a mismatch also warns
+    """What ``ProgramMeta.capture_blocks`` says of a full capture; a mismatch also warns
     (it costs a second export)."""
     if mismatch:
         warnings.warn(f"fxshard capture: blocks captured in full: {why}", stacklevel=3)

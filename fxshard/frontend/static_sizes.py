@@ -5,7 +5,7 @@ a dim static where the model's code needs a number: a Python loop over the seque
 (Mamba's reference scan, used when its CUDA kernel is not installed, unrolls one step per
 token), a size compared with a constant.  The program then computes that size and no
 other; called on another, it would fail deep inside (or, for some code, compute on part of
-the input).  ``frontend.capture`` records those dims (``gm.meta["static_input_dims"]``);
+the input).  ``frontend.capture`` records those dims (``ProgramMeta.static_input_dims``);
 this module turns them into a check on the inputs of the transformed program (a forward
 pre-hook; the pipeline's ``train_step`` checks its batch) that names the input, the dim
 and the fix.
@@ -19,7 +19,7 @@ The model's code may also fix a size *derived* from a dim that stays symbolic: D
 compressor pools the sequence in windows of 4, and at an example of 6 tokens export fixes
 the number of windows at 1 (``Eq(s//4, 1)``), a range of 4 to 7 tokens for the input.
 :func:`record_input_dim_ranges` records the ranges export narrowed so
-(``gm.meta["input_dim_ranges"]``), with the fixed sizes that narrowed them, and the program
+(``ProgramMeta.input_dim_ranges``), with the fixed sizes that narrowed them, and the program
 checks its inputs against them the same way.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from fxshard.errors import PlanError
 from fxshard.frontend.capture import InputOrder
-from fxshard.meta import KEY, TensorInfo
+from fxshard.meta import KEY, TensorInfo, program_meta
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,16 @@ def static_input_sizes(gm: fx.GraphModule) -> list[StaticSize | SizeRange]:
     dims whose range the model's code narrowed (:class:`SizeRange`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: list[StaticSize | SizeRange] = []
-    for name, dim, size in gm.meta.get("static_input_dims") or []:
+    program = program_meta(gm)
+    for name, dim, size in program.static_input_dims or []:
         index = next((i for i, n in enumerate(placeholders) if n.name == name), None)
         if index is None:  # an input cut away (a pipeline's loss target)
             continue
         value = getattr(placeholders[index].meta.get(KEY), "value", None)
         local = value.local_shape[dim] if isinstance(value, TensorInfo) else size
         out.append(StaticSize(index, name, dim, local, size))
-    axes = gm.meta.get("fxshard_mesh") or {}
-    for name, dim, low, high, fixed, bounds in gm.meta.get("input_dim_ranges") or []:
+    axes = program.mesh or {}
+    for name, dim, low, high, fixed, bounds in program.input_dim_ranges or []:
         index = next((i for i, n in enumerate(placeholders) if n.name == name), None)
         if index is None:
             continue
@@ -161,7 +162,7 @@ def _evaluated(text: str, size: int):
 
 
 def record_input_dim_ranges(gm: fx.GraphModule) -> list[tuple[str, int, int, float, tuple, str]]:
-    """``gm.meta["input_dim_ranges"]``: ``(placeholder, dim, low, high, fixed, bounds)`` of every
+    """``ProgramMeta.input_dim_ranges``: ``(placeholder, dim, low, high, fixed, bounds)`` of every
     symbolic input dim of an exported program whose range torch.export narrowed, or from
     which a size the model's code derives was fixed: ``fixed`` those sizes, ``(text, value)``
     with the text a Python expression of ``size`` (``("(size//4)", 1)``: export fixed the
@@ -198,7 +199,7 @@ def record_input_dim_ranges(gm: fx.GraphModule) -> list[tuple[str, int, int, flo
                 continue
             low = 0 if low <= 2 else low  # export assumes 2 or more (it specializes 0 and 1): not the model's bound
             ranges.append((node.name, d, low, high, tuple(fixed.items()), ", ".join(dict.fromkeys(bounds))))
-    gm.meta["input_dim_ranges"] = ranges
+    program_meta(gm, create=True).input_dim_ranges = ranges
     return ranges
 
 
@@ -230,6 +231,6 @@ def guard_static_input_sizes(gm: fx.GraphModule) -> list[StaticSize]:
     """Give ``gm`` a pre-hook that checks its fixed input dims, if it has any; returns them."""
     sizes = static_input_sizes(gm)
     if sizes:
-        guard = StaticSizeGuard(sizes, gm.meta.get("model_class", type(gm).__name__), InputOrder.of(gm))
+        guard = StaticSizeGuard(sizes, program_meta(gm).model_class or type(gm).__name__, InputOrder.of(gm))
         gm.register_forward_pre_hook(guard, with_kwargs=True)
     return sizes

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.markers import mark_arguments, mark_outputs, region_input, region_output
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.state.module_state import attributes_as_buffers, register_attribute_buffers
 
 
@@ -86,7 +87,7 @@ def trace(model: nn.Module, plan=None, example_inputs: Sequence[Any] = (), examp
     ``dynamic_shapes`` overrides which dims); ``"auto"`` tries fx first and exports
     when symbolic tracing fails or keyword inputs are given.  Export captures the first
     blocks of a deep model's stack of repeated blocks and stamps the others
-    (:mod:`fxshard.frontend.repeated_blocks`, checked; ``gm.meta["capture_blocks"]`` says
+    (:mod:`fxshard.frontend.repeated_blocks`, checked; ``ProgramMeta.capture_blocks`` says
     what was done); ``"export-every-block"`` exports every block.  ``example_inputs`` /
     ``example_kwargs`` are the single-device (global) inputs; when given, every node's
     ``meta["val"]`` holds a fake tensor with its global shape.  The model is not modified.
@@ -181,9 +182,10 @@ _MISSING = object()
 def _record_model(gm: fx.GraphModule, model: nn.Module) -> None:
     """What later steps need to know of the model, not of its graph: its ModuleDicts,
     class and HF ``model_type`` (checkpoint key renames are per class / model type)."""
-    gm.meta["module_dicts"] = _module_dicts(model)
-    gm.meta["model_class"] = type(model).__name__
-    gm.meta["model_type"] = getattr(getattr(model, "config", None), "model_type", None)
+    program = program_meta(gm, create=True)
+    program.module_dicts = _module_dicts(model)
+    program.model_class = type(model).__name__
+    program.model_type = getattr(getattr(model, "config", None), "model_type", None)
 
 
 def _module_dicts(model: nn.Module) -> list[str]:
@@ -205,7 +207,7 @@ def _fx_trace(model: nn.Module, plan) -> fx.GraphModule:
         graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
         keep_non_persistent(tracer.root, gm)
-    gm.meta["captured_by"] = "torch.fx"
+    program_meta(gm, create=True).captured_by = "torch.fx"
     return gm
 
 

@@ -12,9 +12,11 @@ Example::
 
 See docs/pipeline.md.
 """
-from .spec import PipelineSpec, pipeline
+from fxshard.plan.pipeline import PipelineSpec, pipeline
 from .stages import LossProgram, StageCut, cut_stages
-from .train_step import PipelinedModule, clip_grad_norm_, eval_step, fully_shard, grad_norm, pipeline_transform, train_step
+from fxshard.training.fsdp import fully_shard  # the same functions as fxshard.fully_shard etc.: they take a PipelinedModule
+from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
+from .train_step import PipelinedModule, eval_step, pipeline_transform, train_step
 
 __all__ = ["PipelineSpec", "pipeline", "StageCut", "LossProgram", "cut_stages", "PipelinedModule", "pipeline_transform",
            "train_step", "eval_step", "grad_norm", "clip_grad_norm_", "fully_shard"]

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.debug.comm_summary import CommRow, CommSummary, graph_rows
-from fxshard.meta import KEY, SizeInfo, TensorInfo
+from fxshard.meta import KEY, SizeInfo, TensorInfo, program_meta
 
 __all__ = ["pipeline_comm_summary"]
 
@@ -56,7 +56,7 @@ def pipeline_comm_summary(staged, region: str | None = None) -> CommSummary:
     axis = spec.axis
     mesh = {axis: pp}
     for st in staged.stages:
-        mesh.update(st.meta.get("fxshard_mesh") or {})
+        mesh.update(program_meta(st).mesh or {})
     last = staged.num_stages - 1
     forward: list[CommRow] = []
     backward: list[CommRow] = []

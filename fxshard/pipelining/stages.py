@@ -37,11 +37,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard.errors import PlanError
-from fxshard.meta import block_of
+from fxshard.meta import StageInfo, block_of, program_meta
 
 from fxshard.state.module_state import add_missing_state, named_state
 
-from .spec import PipelineSpec
+from fxshard.plan.pipeline import PipelineSpec
 
 FREE = -1  # a stage index meaning "computed from parameters and constants alone: copied where used"
 LOSS = 1 << 30  # a stage index meaning "part of the loss (depends on a target input)"
@@ -286,7 +286,7 @@ def _dead_code_out(graph: fx.Graph, gm: fx.GraphModule) -> None:
 def _block(n: fx.Node) -> str:
     """The block of a node; a block already outlined into a submodule (``Plan(fsdp=...)``) is
     the ``call_module`` node of its FQN."""
-    if n.op == "call_module" and n.target in (n.graph.owning_module.meta.get("fxshard_fsdp_units") or ()):
+    if n.op == "call_module" and n.target in (program_meta(n.graph.owning_module).fsdp_units or ()):
         return n.target
     return block_of(n)
 
@@ -514,7 +514,7 @@ def _build(gm, nodes, stage_of_node, stage: int, inputs: list[fx.Node], outputs:
         source = gm.get_submodule(prefix) if prefix else gm
         m._non_persistent_buffers_set.update(b for b in source._non_persistent_buffers_set if b in m._buffers)
     _copy_meta(gm, stage_gm)
-    stage_gm.meta["fxshard_pipeline_stage"] = {"stage": stage, "blocks": list(blocks)}
+    program_meta(stage_gm, create=True).pipeline_stage = StageInfo(stage=stage, blocks=list(blocks))
     return stage_gm
 
 
@@ -527,14 +527,19 @@ def _has_submodule(module, fqn: str) -> bool:
 
 
 def _copy_meta(gm, new) -> None:
+    """The program's state on a stage (``fx.GraphModule(gm, graph)`` starts an empty ``meta``):
+    the layouts of the tensors it holds, its blocks; not the capture's input checks (the
+    pipelined module makes them)."""
     held = {fqn for fqn, _ in new.named_parameters(remove_duplicate=False)} | {fqn for fqn, _ in new.named_buffers(remove_duplicate=False)}
-    for k, v in gm.meta.items():
-        if k == "fxshard_state" and isinstance(v, dict):
-            new.meta[k] = {fqn: x for fqn, x in v.items() if fqn in held}
-        elif k == "fxshard_fsdp_units":  # the blocks FSDP2 wraps one by one: this stage's
-            new.meta[k] = [fqn for fqn in v if fqn in new._modules or _has_submodule(new, fqn)]
-        elif k.startswith("fxshard") or k in ("module_dicts", "model_class"):
-            new.meta[k] = v
+    program = program_meta(gm)
+    mine = program_meta(new, create=True)
+    for f in dataclasses.fields(program):
+        if f.name not in ("captured_by", "model_type", "static_input_dims", "input_dim_ranges", "capture_blocks"):
+            setattr(mine, f.name, getattr(program, f.name))
+    if program.state is not None:
+        mine.state = {fqn: x for fqn, x in program.state.items() if fqn in held}
+    if program.fsdp_units is not None:  # the blocks FSDP2 wraps one by one: this stage's
+        mine.fsdp_units = [fqn for fqn in program.fsdp_units if fqn in new._modules or _has_submodule(new, fqn)]
 
 
 # ----------------------------------------------------------------------------- the loss

@@ -2,6 +2,7 @@
 that reads the same with and without pipeline parallelism."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -20,10 +21,10 @@ from fxshard.runtime.collectives import hold_param_syncs, reduce_over
 from fxshard.transform import transform
 
 from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
-from fxshard.training.fsdp import fully_shard as fxshard_fully_shard
-from fxshard.training.grad_norm import stages_grad_norm, track_parameters
+from fxshard.training.grad_norm import track_parameters
+from fxshard.meta import PipelineInfo, ProgramMeta, pipeline_of, program_meta
 
-from .spec import PipelineSpec
+from fxshard.plan.pipeline import PipelineSpec
 from .stages import LossProgram, StageCut, cut_stages, split_loss
 
 
@@ -81,23 +82,26 @@ class PipelinedModule(nn.Module):
                 self._register(fqn, t, is_param, fqn in non_persistent)
         for fqn, t in stage_state:
             self._register(fqn, t, isinstance(t, nn.Parameter), fqn in non_persistent)
+        # the stages' program state (the first stage's; the layouts of all), and what makes this module
+        # pipelined (fxshard.meta.pipeline_of: what the tools of fxshard.training, .state, .debug ask)
+        first = program_meta(self.stages[0])
         self.meta = {}
+        program = program_meta(self, create=True)
+        for f in dataclasses.fields(ProgramMeta):
+            if f.name not in ("state", "pipeline_stage", "pipeline"):
+                setattr(program, f.name, getattr(first, f.name))
+        program.pipeline = PipelineInfo(spec=spec, stage_ids=self.stage_ids, num_stages=self.num_stages,
+                                        pp_size=self.pp_size, pp_rank=self.pp_rank)
+        program.state = layouts = {}
         for st in self.stages:
-            for k, v in st.meta.items():
-                if k == "fxshard_state":
-                    self.meta.setdefault(k, {}).update(v)
-                elif k != "fxshard_pipeline_stage":
-                    self.meta.setdefault(k, v)
+            layouts.update(program_meta(st).state or {})
         # a tensor held under several names (a tied embedding and head) has its layout under one of them:
         # each of its names gets it, so that full_state_dict gathers the shards under every name
-        layouts = self.meta.setdefault("fxshard_state", {})
         named = [*self.named_parameters(remove_duplicate=False), *self.named_buffers(remove_duplicate=False)]
         layout_of = {id(t): layouts[fqn] for fqn, t in named if fqn in layouts}
         for fqn, t in named:
             if fqn not in layouts and id(t) in layout_of:
                 layouts[fqn] = layout_of[id(t)]
-        self.meta["fxshard_pipeline"] = {"spec": spec, "stage_ids": self.stage_ids, "num_stages": self.num_stages,
-                                         "pp_size": self.pp_size, "pp_rank": self.pp_rank}
         for st in self.stages:
             track_parameters(st)
         self._tied = _tied_groups(cut, spec, mesh, self.pp_rank, self.pp_size)
@@ -124,13 +128,22 @@ class PipelinedModule(nn.Module):
         raise PlanError("a pipelined module runs its stages under a schedule, not by a call\n  fix: loss = "
                         "fxshard.pipelining.train_step(staged, inputs) (forward and backward of all micro-batches)")
 
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """:func:`grad_norm` (what ``fxshard.grad_norm`` / ``fxshard.clip_grad_norm_`` call on this module)."""
-        return grad_norm(self, norm_type)
-
-    def fully_shard(self, mesh=None, **fsdp_kwargs) -> "PipelinedModule":
-        """:func:`fully_shard` (what ``fxshard.fully_shard`` calls on this module)."""
-        return fully_shard(self, mesh, **fsdp_kwargs)
+    def owned_parameters(self) -> list[torch.Tensor]:
+        """This rank's parameters, a tied one only on the first pipeline rank that holds it (what
+        ``fxshard.grad_norm`` sums on this rank: each parameter of the model once)."""
+        skip = set()
+        for fqn, stages in self.tied_stages.items():
+            owner = min(self.spec.rank_of_stage(s, self.pp_size) for s in stages)
+            if owner != self.pp_rank:
+                skip.add(fqn)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        skipped = {id(params[fqn]) for fqn in skip if fqn in params}
+        out, seen = [], set()
+        for q in params.values():
+            if id(q) not in seen and id(q) not in skipped:
+                out.append(q)
+            seen.add(id(q))
+        return out
 
     def comm_summary(self, region: str | None = None):
         """This rank's p2p sends and receives per micro-batch, its stages' collectives and the
@@ -324,7 +337,7 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     staged = PipelinedModule(cut, spec, mesh, all_state)
-    staged.static_sizes, staged.model_class = static_input_sizes(gm), gm.meta.get("model_class", "the model")
+    staged.static_sizes, staged.model_class = static_input_sizes(gm), program_meta(gm).model_class or "the model"
     if checkpoint:
         checkpoint_blocks(staged)
     # torch's schedule checks its own requirements (DualPipeV: micro-batches >= stages; interleaved: a
@@ -393,7 +406,7 @@ def train_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None
         loss = fxshard.pipelining.train_step(staged, {"input_ids": ids, "labels": labels})
         opt.step(); opt.zero_grad()
     """
-    if not isinstance(sharded, PipelinedModule):
+    if pipeline_of(sharded) is None:
         out = sharded(**inputs)
         if loss_fn is not None:
             loss = loss_fn(out, target)
@@ -417,7 +430,7 @@ def eval_step(sharded: nn.Module, inputs: dict, loss_fn: Callable | None = None,
         with torch.no_grad():
             eval_loss = fxshard.pipelining.eval_step(staged, {"input_ids": ids, "labels": labels})
     """
-    if not isinstance(sharded, PipelinedModule):
+    if pipeline_of(sharded) is None:
         out = sharded(**inputs)
         if loss_fn is not None:
             return loss_fn(out, target).detach()
@@ -582,87 +595,3 @@ def _trivial_mesh(mesh, axis: str):
     if others:
         return mesh[others[0]] if len(others) == 1 else mesh[tuple(others)]
     return MeshSpec((f"{axis}_stage",), (1,))
-
-
-# ----------------------------------------------------------------------------- FSDP2 per stage
-
-
-def fully_shard(staged: PipelinedModule, mesh=None, **fsdp_kwargs) -> PipelinedModule:
-    """FSDP2 over the plan's ``fsdp`` axis on each of this rank's stages (:func:`fxshard.fully_shard`
-    per stage: each block, then the stage), in place; the module's parameters become the
-    stages' new ones.
-
-    Example::
-
-        plan = fxshard.Plan(mesh["dp"], {}, inputs={"input_ids": {"dp": Shard(0)}, "labels": {"dp": Shard(0)}},
-                            fsdp="dp", pipeline=fxshard.pipeline("pp", microbatches=4))
-        staged = fxshard.pipeline_transform(model, plan, mesh, example_kwargs=kw)
-        fxshard.pipelining.fully_shard(staged, mesh["dp"])
-    """
-    # the stages must hold this module's tensors (fxshard.materialize replaced them by FQN), or
-    # FSDP2 would shard the meta tensors the stages were cut with
-    staged.sync_stage_state()
-    for st in staged.stages:
-        fxshard_fully_shard(st, mesh, **fsdp_kwargs)
-    staged.adopt_stage_state()
-    return staged
-
-
-# ----------------------------------------------------------------------------- the gradient norm over stages
-
-
-def grad_norm(staged: PipelinedModule, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of the whole model's gradient, over every stage and every axis (the same on
-    every rank; a collective).  A tied parameter's copies (equal after :func:`train_step`)
-    count once.
-
-    Example: ``norm = fxshard.pipelining.grad_norm(staged)``
-    """
-    p = float(norm_type)
-    staged.sync_stage_state()
-    mine = _owned_params(staged)
-    # this rank's stages' norm over the plan's axes (fxshard.grad_norm refuses a list of stage parameters)
-    local = stages_grad_norm(mine, norm_type) if mine else torch.zeros(())
-    local = local.detach().float().clone()
-    if p == math.inf:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=staged.pp_group)
-        return local
-    power = local if p in (0.0, 1.0) else local.pow(p)  # fxshard.grad_norm took the p-th root over its axes
-    dist.all_reduce(power, group=staged.pp_group)
-    return power if p in (0.0, 1.0) else power.pow(1.0 / p)
-
-
-def clip_grad_norm_(staged: PipelinedModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale this rank's gradients so that the whole model's norm (:func:`grad_norm`, over
-    all stages) is at most ``max_norm``; returns the norm before clipping.  A collective.
-
-    Example::
-
-        loss = fxshard.pipelining.train_step(staged, inputs)
-        fxshard.pipelining.clip_grad_norm_(staged, 1.0)
-        opt.step()
-    """
-    total = grad_norm(staged, norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for q in staged.parameters():
-            if q.grad is not None:
-                q.grad.mul_(coef.to(q.grad.device, q.grad.dtype))
-    return total
-
-
-def _owned_params(staged: PipelinedModule) -> list[torch.Tensor]:
-    """This rank's parameters, a tied one only on the first pipeline rank that holds it."""
-    skip = set()
-    for fqn, stages in staged.tied_stages.items():
-        owner = min(staged.spec.rank_of_stage(s, staged.pp_size) for s in stages)
-        if owner != staged.pp_rank:
-            skip.add(fqn)
-    params = dict(staged.named_parameters(remove_duplicate=False))
-    skipped = {id(params[fqn]) for fqn in skip if fqn in params}
-    out, seen = [], set()
-    for q in params.values():
-        if id(q) not in seen and id(q) not in skipped:
-            out.append(q)
-        seen.add(id(q))
-    return out

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fxshard.pipelining.spec import pipeline
+from fxshard.plan.pipeline import pipeline
 from fxshard.planner.calibration import Calibration
 from fxshard.planner.candidates import TRAINER_ORDER, Candidate
 from fxshard.planner.facts import ROWS, ProgramFacts, UnitFacts

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from fxshard.debug.comm_summary import comm_summary
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.frontend.trace import trace
 from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan
@@ -238,7 +239,7 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
         plan = build_subplan_plan(planned, subplan, mesh)
         program = transform(captures.graph(plan), plan, example_kwargs=example, blocks="auto")
         program.to("meta")
-        captured = list(program.meta.get("fxshard_fsdp_units") or ())
+        captured = list(program_meta(program).fsdp_units or ())
         units = {u: UnitFacts(u) for u in (BEFORE, *captured, AFTER)}
         unit_of_node = _top_level_units(program, captured)
         tied = _fill_params(units, program, captured, unit_of_node)  # fp32, as the trainer keeps them

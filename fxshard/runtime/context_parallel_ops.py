@@ -39,7 +39,12 @@ from typing import Optional
 import torch
 import torch.fx
 from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+from torch.distributed.tensor import Shard
 
+from fxshard.layout.op_rules.context import R, Ctx
+from fxshard.layout.op_rules.numbers import number_axes, sharded_source
+from fxshard.layout.op_rules.table import register_rule
+from fxshard.meta import Rewrite, program_meta
 from fxshard.runtime import collectives
 from fxshard.runtime.collectives import bound_mesh, comm_axis, local_index, mesh_axis
 
@@ -437,6 +442,26 @@ def _(length, window, device):
     return torch.empty((length, length), dtype=torch.bool, device=device)
 
 
+# its layout rule, registered next to the op (as DTensor's op strategies are)
+@register_rule(torch.ops.fxshard.sliding_window_mask.default)
+def sliding_window_mask_layout(ctx: Ctx):
+    """``fxshard::sliding_window_mask(length, window, device)``: ``[T, T]`` built from a
+    length.  A length read from a dim sharded on one context-parallel axis gives each
+    rank the rows of its positions (``Shard(0)`` there, whole key rows); ``localize``
+    builds them (``Rewrite.WINDOW_ROWS``)."""
+    length = ctx.arg(0)
+    axes = number_axes(length) if isinstance(length, torch.fx.Node) else frozenset()
+    if axes is None or len(axes) > 1 or (axes and next(iter(axes)) not in ctx.cp_axes):
+        raise ctx.fail(f"a sliding-window mask sized by `{getattr(length, 'name', length)}`, read from {sharded_source(length)}",
+                       "shard the sequence on a context-parallel axis (fxshard.context_parallel), or size the mask with a "
+                       "length that is not sharded")
+    if axes:
+        ctx.request_rewrite(Rewrite.WINDOW_ROWS)
+        (axis,) = axes
+        return {a: Shard(0) if a == axis else R for a in ctx.axes}
+    return {a: R for a in ctx.axes}
+
+
 def _window(q_pos: torch.Tensor, length: int, window: int, device) -> torch.Tensor:
     k = torch.arange(length, device=device)[None, :]
     q = q_pos[:, None]
@@ -460,7 +485,7 @@ def _load_balance_of(axis: str, load_balance: Optional[bool], sharded) -> bool:
     if load_balance is not None:
         return load_balance
     if sharded is not None:
-        cp = (sharded.meta.get("fxshard_context_parallel") or {}).get(axis)
+        cp = (program_meta(sharded).context_parallel or {}).get(axis)
         if cp is not None:
             return cp["load_balance"]
     return True

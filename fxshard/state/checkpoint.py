@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.state.module_state import named_state
 from fxshard.state.progress import progress
 from fxshard.state.shards import Runs, boxes, runs_of
@@ -228,7 +229,8 @@ def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
     """``{fqn: ShardView}`` of ``module``'s persistent state (a transformed
     GraphModule's shards, or a plain module's whole tensors) and ``{id(param): fqn}``
     (a tied tensor's first name)."""
-    transformed = "fxshard_state" in getattr(module, "meta", {})
+    layouts = program_meta(module).state
+    transformed = layouts is not None
     mesh = collectives.bound_mesh() if transformed else None
     persistent = set(module.state_dict().keys())
     views, names = {}, {}
@@ -240,7 +242,7 @@ def _views(module: nn.Module) -> tuple[dict[str, ShardView], dict[int, str]]:
         local_data = local.to_local() if hasattr(local, "to_local") else local  # FSDP2: its shard of fxshard's
         if transformed:
             runs = runs_of(module, fqn, mesh, local)
-            shape = module.meta["fxshard_state"].get(fqn, (None, tuple(local.shape)))[1]
+            shape = layouts.get(fqn, (None, tuple(local.shape)))[1]
         else:
             runs, shape = [[(0, s)] for s in local.shape], tuple(local.shape)
         views[fqn] = ShardView(local_data, runs, shape)

@@ -17,13 +17,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fxshard.runtime import collectives
 from fxshard.layout.placements import blocks_on
-from fxshard.passes.shard_state import local_slice
+from fxshard.meta import program_meta
+from fxshard.state.shards import local_slice
 
 
 def _layouts(gm: fx.GraphModule) -> dict:
-    state = gm.meta.get("fxshard_state")
+    state = program_meta(gm).state
     if state is None:
-        raise ValueError("this GraphModule was not produced by fxshard.transform (no gm.meta['fxshard_state'])")
+        raise ValueError("this GraphModule was not produced by fxshard.transform (no ProgramMeta.state)")
     return state
 
 
@@ -31,8 +32,8 @@ def full_state_dict(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """Gather every sharded tensor over its mesh axes; returns the single-device
     ``state_dict`` (same keys).  A collective: call it on every rank."""
     layouts = _layouts(gm)
-    blocks = gm.meta.get("fxshard_blocks", {})
-    heads = gm.meta.get("fxshard_heads", {})
+    blocks = program_meta(gm).blocks
+    heads = program_meta(gm).heads
     out = {}
     for fqn, t in gm.state_dict().items():
         layout, shape = layouts.get(fqn, (None, None))
@@ -81,8 +82,8 @@ def load_full_state_dict(gm: fx.GraphModule, state_dict: dict[str, torch.Tensor]
             layout, shape = layouts.get(fqn, (None, tuple(t.shape)))
             if tuple(full.shape) != tuple(shape):
                 raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, expected the global shape {tuple(shape)}")
-            mine = (local_slice(full, layout, mesh, gm.meta.get("fxshard_blocks", {}).get(fqn),
-                                gm.meta.get("fxshard_heads", {}).get(fqn)) if layout is not None else full)
+            mine = (local_slice(full, layout, mesh, program_meta(gm).blocks.get(fqn),
+                                program_meta(gm).heads.get(fqn)) if layout is not None else full)
             if isinstance(t, DTensor):  # FSDP2's shard of it: sliced locally, the same on every rank
                 mine = distribute_tensor(mine.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None).to_local()
                 t = t.to_local()

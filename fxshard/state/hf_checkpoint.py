@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.state.module_state import named_state
 from fxshard.state.progress import progress
 from fxshard.state.shards import assemble, runs_of
@@ -161,8 +162,8 @@ def _hf_transforms(sharded, model) -> list:
         return []
     if model is not None:
         return get_model_conversion_mapping(model)
-    return (get_checkpoint_conversion_mapping(sharded.meta.get("model_class", ""))
-            or get_checkpoint_conversion_mapping(sharded.meta.get("model_type", "")) or [])
+    return (get_checkpoint_conversion_mapping(program_meta(sharded).model_class or "")
+            or get_checkpoint_conversion_mapping(program_meta(sharded).model_type or "") or [])
 
 
 def _index_in(pattern: str, name: str) -> int:
@@ -211,7 +212,7 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
 
     from safetensors import safe_open
 
-    if "fxshard_state" not in getattr(sharded, "meta", {}):
+    if program_meta(sharded).state is None:
         raise PlanError("load_hf_checkpoint: this GraphModule was not produced by fxshard.transform")
     mesh = collectives.bound_mesh()
     files = checkpoint_files(path)
@@ -246,7 +247,7 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
             with torch.no_grad():
                 for fqn in todo:
                     source, t = sources[fqn], local[fqn]
-                    _, want = sharded.meta["fxshard_state"].get(fqn, (None, tuple(t.shape)))
+                    _, want = program_meta(sharded).state.get(fqn, (None, tuple(t.shape)))
                     if tuple(want) != tuple(source.shape):
                         raise PlanError(f"load_hf_checkpoint: {fqn} has shape {tuple(source.shape)} in the checkpoint, "
                                         f"the model's is {tuple(want)}; is it the checkpoint of this config?")

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta
 from fxshard.state.module_state import attribute_tensors, named_state
 from fxshard.state.shards import assemble, runs_of
 
@@ -61,7 +62,7 @@ def materialize(sharded: fx.GraphModule, model: nn.Module, *, device: str | torc
     only recomputes non-persistent buffers.  ``cache_mb``: how many MiB of full tensors
     the init may hold at once (at least the largest one is always allowed).
     """
-    if "fxshard_state" not in getattr(sharded, "meta", {}):
+    if program_meta(sharded).state is None:
         raise PlanError("materialize: this GraphModule was not produced by fxshard.transform")
     from torch.distributed._local_tensor import enabled_local_tensor_mode
 

@@ -25,19 +25,41 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Shard
 
-from fxshard.layout.placements import HeadReplicas, blocks_on
+from fxshard.layout.placements import HeadReplicas, blocks_on, chunk
+from fxshard.plan.mesh import mesh_coordinate, mesh_shape
+from fxshard.meta import program_meta
 
 Run = tuple[int, int]  # (first global index, length)
 Runs = list[list[Run]]  # per dim, in local order
 
 
-def chunk_range(size: int, n: int, i: int) -> tuple[int, int]:
-    """``torch.chunk(x, n)[i]`` along a dim of ``size``: (start, length)."""
-    step = -(-size // n) if size else 0
-    start = min(i * step, size)
-    return start, min(step, size - start)
+def local_slice(t: torch.Tensor, layout: dict, mesh, blocks: tuple[int, ...] | None = None,
+                heads: HeadReplicas | None = None) -> torch.Tensor:
+    """This rank's shard of a global tensor (mesh axes in order: outer axes chunk first).
+    With ``blocks`` (a fused parameter), each part of the sharded dim is sliced on its
+    own and the slices are concatenated.  With ``heads`` (replicated heads), the dim is
+    cut into ``heads.heads`` pieces on ``heads.axis``, each held by consecutive ranks."""
+    axes, coord = mesh_shape(mesh), mesh_coordinate(mesh)
+    lm = enabled_local_tensor_mode()
+    if lm is not None and not hasattr(t, "_local_tensors"):
+        t = lm.rank_map(lambda r, t=t: t.clone())  # per-rank copies, then per-rank slices
+    for axis, p in layout.items():
+        if isinstance(p, Shard):
+            sizes = blocks_on(blocks, p.dim)
+            parts = t.split(list(sizes), p.dim) if sizes else (t,)
+            pieces = []
+            ranks, index = axes[axis], coord[axis]
+            if heads is not None and heads.axis == axis and ranks > heads.heads:
+                ranks, index = heads.heads, index // (ranks // heads.heads)
+            for part in parts:  # torch.chunk pieces: the last ranks hold less where the axis does not divide
+                size = part.shape[p.dim]
+                pieces.append(part.narrow(p.dim, index * (size // ranks), size // ranks) if size % ranks == 0
+                              else part.narrow(p.dim, *chunk(size, ranks, index)))
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.dim)
+    return t
 
 
 def take(runs: list[Run], start: int, length: int) -> list[Run]:
@@ -70,7 +92,7 @@ def shard_runs(layout: dict | None, shape: Sequence[int], axes: dict, coord: dic
             pos += size
         cut = []
         for start, size in parts:
-            s, k = chunk_range(size, n, i)
+            s, k = chunk(size, n, i)
             cut += take(runs[d], start + s, k)
         runs[d] = cut
     return runs
@@ -128,16 +150,17 @@ def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
 
     from fxshard.plan.mesh import mesh_coordinate, mesh_shape
 
-    layout, shape = gm.meta["fxshard_state"].get(fqn, (None, None))
+    program = program_meta(gm)
+    layout, shape = program.state.get(fqn, (None, None))
     if shape is None:  # replicated everywhere (fxshard never read it): the local tensor is the whole
         shape = tuple(local.shape)
-    runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), gm.meta.get("fxshard_blocks", {}).get(fqn),
-                      gm.meta.get("fxshard_heads", {}).get(fqn))
+    runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), program.blocks.get(fqn),
+                      program.heads.get(fqn))
     if isinstance(local, DTensor):
         (p,) = local.placements
         if isinstance(p, Shard):
             k = local.device_mesh.get_local_rank()
-            s, n = chunk_range(local.shape[p.dim], local.device_mesh.size(), k)
+            s, n = chunk(local.shape[p.dim], local.device_mesh.size(), k)
             runs[p.dim] = take(runs[p.dim], s, n)
     return runs
 
@@ -169,7 +192,8 @@ def copies_of(gm, fqn: str, local: torch.Tensor, owned_axes: dict | None = None)
     marks the children of local regions that live on one rank of an axis."""
     from torch.distributed.tensor import DTensor
 
-    layout, _ = gm.meta["fxshard_state"].get(fqn, (None, None))
+    program = program_meta(gm)
+    layout, _ = program.state.get(fqn, (None, None))
     distinct = set()
     if isinstance(local, DTensor):
         names = local.device_mesh.mesh_dim_names or ()
@@ -177,7 +201,7 @@ def copies_of(gm, fqn: str, local: torch.Tensor, owned_axes: dict | None = None)
     for prefix, axis in (owned_axes or {}).items():
         if fqn.startswith(prefix + "."):
             distinct.add(axis)
-    return copies(layout, gm.meta.get("fxshard_mesh", {}), gm.meta.get("fxshard_heads", {}).get(fqn), distinct)
+    return copies(layout, program.mesh or {}, program.heads.get(fqn), distinct)
 
 
 def owned_children(gm) -> dict[str, str]:

@@ -8,8 +8,11 @@
 * :mod:`fxshard.testing.torchtitan_models`: a small torchtitan Llama3.
 * :mod:`fxshard.testing.third_party`: litgpt, torchtune and transformers models with their
   plans (the library's own or ``auto_plan``'s), the cases of the third-party conformance sweep.
-* :mod:`fxshard.testing.bench`: the step-time harness behind ``benchmarks/step_time.py``
-  and ``python -m fxshard demo --bench``.
+* :mod:`fxshard.testing.bench` (its contenders in :mod:`fxshard.testing.bench_contenders`): the
+  step-time harness behind ``benchmarks/step_time.py`` and ``python -m fxshard demo --bench``.
+* :mod:`fxshard.testing.launch`: one function run on every rank (gloo processes, or torchrun's).
 
-The core (plan, passes, runtime, capture) never imports them; the demo and the CLI do, lazily.
+The core (plan, passes, runtime, capture) never imports them (docs/design.md, the layers); the
+trainer builds random-weight models of an HF type from ``hf_tiny``; the demo and the CLI use
+the rest.
 """

@@ -275,18 +275,21 @@ def _demo_rank(rank: int, world_size: int, steps: int, layer: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    import fxshard
+    from fxshard.debug.dump import dump
+    from fxshard.plan.plan import Plan
+    from fxshard.runtime.collectives import all_reduce
+    from fxshard.transform import transform
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     model = mixtral(seed=0, n_experts=2 * world_size)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2 * world_size, 16), generator=g)
     targets = torch.randint(0, 128, (2 * world_size, 16), generator=g)
-    sharded = fxshard.transform(model, fxshard.Plan(mesh, mixtral_plan("ep"), inputs={"x": {"ep": Shard(0)}}), (ids,))
+    sharded = transform(model, Plan(mesh, mixtral_plan("ep"), inputs={"x": {"ep": Shard(0)}}), (ids,))
     if rank == 0:
         print(f"fxshard MoE demo: Mixtral-style model, {model.args.n_experts} experts (top-{model.args.top_k}), "
               f"expert parallel on {world_size} gloo ranks, batch sharded over 'ep'\n")
-        print(fxshard.dump(sharded, region=f"{layer}.*", recursive=True))
+        print(dump(sharded, region=f"{layer}.*", recursive=True))
         print()
     n = ids.shape[0] // world_size
     mine = slice(rank * n, (rank + 1) * n)
@@ -303,7 +306,7 @@ def _demo_rank(rank: int, world_size: int, steps: int, layer: str) -> None:
         return losses
 
     ours = train(sharded, ids[mine], targets[mine])
-    ours = [fxshard.all_reduce(l, "ep").item() for l in ours]  # the sum of the per-rank losses
+    ours = [all_reduce(l, "ep").item() for l in ours]  # the sum of the per-rank losses
     reference = train(mixtral(seed=0, n_experts=2 * world_size), ids, targets)
     if rank == 0:
         print(f"{'step':>4}  {'fxshard loss':>13}  {'1-device loss':>13}  {'|diff|':>9}")
@@ -319,7 +322,7 @@ def run_moe_demo(world_size: int = 2, steps: int = 3, layer: str = "layers.0") -
     """``python -m fxshard demo --moe``: a tiny Mixtral, expert parallel over
     ``world_size`` gloo ranks on CPU: dump one layer (with the all-to-alls inside the
     MoE block), train a few SGD steps and compare the loss with one device."""
-    from fxshard.cli.launch import spawn
+    from fxshard.testing.launch import spawn
 
     spawn(_demo_rank, world_size, steps, layer)
     return 0

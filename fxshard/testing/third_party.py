@@ -3,7 +3,7 @@
 Each :class:`ThirdPartyCase` is one model from a library installed from PyPI next to
 torch (the ``thirdparty`` and ``hf`` extras), built with tiny random weights from the
 library's own config class or builder, with the plan its library ships (torchtune's
-``base_llama_tp_plan`` through :meth:`fxshard.Plan.from_torch`) or the one
+``base_llama_tp_plan`` through :meth:`Plan.from_torch`) or the one
 :func:`fxshard.auto_plan` finds (libraries that ship none: litgpt, transformers'
 encoders, encoder-decoders and vision transformers)::
 
@@ -169,26 +169,27 @@ def _batch(kind: str, extra: tuple, seed: int):
 
 
 def auto_plan_for(mesh, build: Callable[[], nn.Module], kind: str, extra: tuple = (), dtype=torch.float32):
-    """``fxshard.auto_plan`` on the model ``build`` makes, with the case's example inputs."""
-    import fxshard
+    """``auto_plan`` on the model ``build`` makes, with the case's example inputs."""
+    from fxshard.planner.auto_plan import auto_plan
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
     with maybe_disable_local_tensor_mode():  # under simulated ranks: a plain model, as each real rank builds it
         model = build()
         args, kwargs, _ = _batch(kind, extra, seed=1)
         kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
-    return fxshard.auto_plan(model, mesh, example_inputs=args, example_kwargs=kwargs or None)
+    return auto_plan(model, mesh, example_inputs=args, example_kwargs=kwargs or None)
 
 
 def torchtune_llama_plan(mesh, drop: tuple = ()):
     """torchtune's own tensor-parallel plan (``base_llama_tp_plan``, what its recipes pass
-    to ``parallelize_module``), converted by ``fxshard.Plan.from_torch``; ``drop``: entries
+    to ``parallelize_module``), converted by ``Plan.from_torch``; ``drop``: entries
     left out (``"output"`` for a model whose head is a ``TiedLinear``, not a module: torch's
     ``parallelize_module`` skips the entry with a warning, fxshard refuses it)."""
-    import fxshard
     from torchtune.models.llama3 import base_llama_tp_plan
 
-    return fxshard.Plan.from_torch(mesh, {k: v for k, v in base_llama_tp_plan().items() if k not in drop})
+    from fxshard.plan.plan import Plan
+
+    return Plan.from_torch(mesh, {k: v for k, v in base_llama_tp_plan().items() if k not in drop})
 
 
 # ----------------------------------------------------------------------------- litgpt

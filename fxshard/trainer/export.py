@@ -1,7 +1,7 @@
 """The weights back out: a trainer checkpoint as a consolidated HF checkpoint.
 
 The trainer writes the model's config and tokenizer once, in ``CKPT_DIR/hf_model``; a
-checkpoint (any mesh) is loaded into the plain single-device model (``fxshard.load``
+checkpoint (any mesh) is loaded into the plain single-device model (``load``
 reshards it, no process group) and written with ``save_pretrained``: ``config.json``,
 ``model.safetensors`` and the tokenizer, which
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads.
@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-import fxshard
+from fxshard.state.checkpoint import load
 from fxshard.trainer.errors import TrainerError
 
 MODEL_DIR = "hf_model"  # beside the checkpoints: the config and tokenizer an export needs
@@ -52,7 +52,7 @@ def load_exportable(ckpt: str, model_dir: str | None = None):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with warnings.catch_warnings():  # DCP says it loads in one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fxshard.load(model, ckpt, show_progress=False)
+        load(model, ckpt, show_progress=False)
     tokenizer = None
     if any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -4,7 +4,7 @@
 2. the tokenizer and the data (``fxshard.trainer.data``), each dp rank reading its rows;
 3. the model and each rank's program (``fxshard.trainer.parallelize``);
 4. AdamW, warmup + cosine; a resume from the latest checkpoint (data position included);
-5. per step: ``--accum`` micro-batches (all but the last under ``fxshard.no_sync``), the
+5. per step: ``--accum`` micro-batches (all but the last under ``no_sync``), the
    loss summed over tokens and divided by the global count of scored tokens (exact with
    any padding, on every mesh), clipping over the whole model, the step, a record;
 6. eval, checkpoints, the HF export, ``final checksum``.
@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fxshard
+from fxshard.pipelining.train_step import eval_step, train_step
+from fxshard.runtime.context_parallel_ops import gather_sequence, split_sequence
+from fxshard.state.checkpoint import latest_checkpoint, load, save
+from fxshard.state.full_state import full_state_dict
+from fxshard.training.accumulate import no_sync
+from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
 from fxshard.trainer import data as text_data
 from fxshard.trainer.errors import TrainerError
 from fxshard.trainer.export import export_checkpoint, max_logit_difference, save_model_dir
@@ -214,10 +219,10 @@ class Run:
 
     def resume(self) -> int:
         a = self.args
-        latest = fxshard.latest_checkpoint(a.ckpt_dir) if a.ckpt_dir else None
+        latest = latest_checkpoint(a.ckpt_dir) if a.ckpt_dir else None
         if latest is None:
             return 0
-        state = fxshard.load(self.module, latest, optimizer=self.opt, show_progress=False)
+        state = load(self.module, latest, optimizer=self.opt, show_progress=False)
         self.sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])
         self.batches.load_state_dict(state["data"])
@@ -238,7 +243,7 @@ class Run:
             return x
         if self.program.pipelined:  # contiguous pieces; the mesh's cp coordinate
             return x.chunk(self.dims.cp, 1)[self.mesh["cp"].get_local_rank()]
-        return fxshard.split_sequence(x, "cp", sharded=self.module)
+        return split_sequence(x, "cp", sharded=self.module)
 
     def micro_loss(self, ids: torch.Tensor, labels: torch.Tensor, count: torch.Tensor, backward: bool = True):
         """One micro-batch: this rank's share of the loss (its summed token losses over the
@@ -253,7 +258,7 @@ class Run:
 
             def loss_fn(output, tgt):
                 return token_loss_sum(output, tgt) * (share / count)
-            step = fxshard.train_step if backward else fxshard.pipelining.eval_step
+            step = train_step if backward else eval_step
             return step(pm, {name: self.local_piece(ids)}, loss_fn=loss_fn, target=target)
         with self.autocast():
             out = self.module(**{name: self.local_piece(ids)})
@@ -275,7 +280,7 @@ class Run:
         micro = list(zip(ids.chunk(a.accum), labels.chunk(a.accum)))
         for k, (i, l) in enumerate(micro):
             held = k < len(micro) - 1 and self.mesh is not None
-            with fxshard.no_sync(self.module) if held else contextlib.nullcontext():
+            with no_sync(self.module) if held else contextlib.nullcontext():
                 total += self.micro_loss(i, l, count).float()
         if not self.program.pipelined:
             total = self.reduce(total, ["dp", "cp"])  # each rank held its rows' and positions' share
@@ -283,7 +288,7 @@ class Run:
             norm = (torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.clip) if a.clip else
                     torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None]))
         else:
-            norm = fxshard.clip_grad_norm_(self.module, a.clip) if a.clip else fxshard.grad_norm(self.module)
+            norm = clip_grad_norm_(self.module, a.clip) if a.clip else grad_norm(self.module)
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()
@@ -339,14 +344,14 @@ class Run:
         path = os.path.join(a.ckpt_dir, f"step{step:06d}")
         state = {"step": step, "sched": self.sched.state_dict(), "rng": torch.get_rng_state(),
                  "data": self.batches.state_dict()}
-        fxshard.save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False)
+        save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False)
         return path
 
     def checksum(self) -> float:
         """The sum of the full state dict in float64 (under pp over every stage, a tied tensor once)."""
         if self.mesh is None:
             return sum(float(t.double().sum()) for t in self.module.state_dict().values() if t.is_floating_point())
-        full = fxshard.full_state_dict(self.module)
+        full = full_state_dict(self.module)
         sums = {k: float(t.double().sum()) for k, t in full.items() if t.is_floating_point()}
         if self.program.pipelined:
             gathered: list = [None] * self.dims.pp
@@ -374,7 +379,7 @@ class Run:
             if logits is None:  # a torchtitan program returns the tensor
                 logits = self.module(**{self.source.input_name: self.local_piece(ids)})
         if self.dims.cp > 1:
-            logits = fxshard.gather_sequence(logits, "cp", sharded=self.module)
+            logits = gather_sequence(logits, "cp", sharded=self.module)
         if self.dims.dp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.dims.dp)]
             dist.all_gather(parts, logits.contiguous(), group=self.mesh["dp"].get_group())
@@ -410,7 +415,7 @@ def run(args) -> int:
                     save_model_dir(root, r.config, r.tokenizer, vars(args))
                 export_from = fxshard_save_final(r, root)
             else:
-                export_from = fxshard.latest_checkpoint(root)
+                export_from = latest_checkpoint(root)
         checksum = r.checksum()
     finally:
         r.log.close()
@@ -438,7 +443,7 @@ def run(args) -> int:
 
 def fxshard_save_final(r: Run, root: str) -> str:
     path = os.path.join(root, f"step{r.args.steps:06d}")
-    fxshard.save(r.module, path, optimizer=None, show_progress=False)
+    save(r.module, path, optimizer=None, show_progress=False)
     return path
 
 

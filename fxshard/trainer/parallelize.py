@@ -7,7 +7,7 @@ pipeline transform), the weights, FSDP2 and compile, each phase timed.
   so the last stage scores whole sequences: the recipe of docs/pipeline.md);
 * ``dp``: the token input sharded on its batch dim, FSDP2 on the axis
   (``MixedPrecisionPolicy`` under ``--bf16``);
-* ``pp``: ``fxshard.pipeline_transform`` over the whole mesh, ``--microbatches``, ``--schedule``.
+* ``pp``: ``pipeline_transform`` over the whole mesh, ``--microbatches``, ``--schedule``.
 
 Example::
 
@@ -24,7 +24,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-import fxshard
+from fxshard.pipelining.train_step import pipeline_transform
+from fxshard.plan.pipeline import pipeline
+from fxshard.plan.plan import Plan
+from fxshard.plan.specs import ModuleSpec, context_parallel
+from fxshard.state.hf_checkpoint import load_hf_checkpoint
+from fxshard.state.materialize import materialize
+from fxshard.training.compile import compile as compile_blocks
+from fxshard.training.fsdp import fully_shard
+from fxshard.transform import transform
 from fxshard.errors import PlanError
 from fxshard.trainer.errors import TrainerError
 from fxshard.trainer.models import ModelSource
@@ -86,7 +94,7 @@ def build_plan(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh, 
     spec = None
     if dims.pp > 1:
         virtual = opts.virtual_stages or (2 if _multi_stage(opts.schedule) else 1)
-        spec = fxshard.pipeline("pp", microbatches=opts.microbatches, schedule=opts.schedule, virtual=virtual)
+        spec = pipeline("pp", microbatches=opts.microbatches, schedule=opts.schedule, virtual=virtual)
     if not plan_axes:
         return None, spec
     sub = mesh[tuple(plan_axes)] if len(plan_axes) > 1 else mesh[next(iter(plan_axes))]
@@ -94,15 +102,15 @@ def build_plan(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh, 
         if dims.ep > 1 or dims.cp > 1:
             raise TrainerError(f"--mesh {dims.spec}: {source.name} is a dense model with torchtitan's TP plan; ep and cp "
                                f"are not offered for it\n  fix: dp, tp and pp; or an HF model")
-        plan = fxshard.Plan.from_torchtitan(sub, model) if dims.tp > 1 else fxshard.Plan(sub, {})
+        plan = Plan.from_torchtitan(sub, model) if dims.tp > 1 else Plan(sub, {})
     elif dims.tp > 1 or dims.ep > 1:
         if dims.ep > 1 and not getattr(model.config.get_text_config(), "base_model_ep_plan", None):
             raise TrainerError(f"--mesh {dims.spec}: ep shards a mixture of experts' routed experts, and "
                                f"{type(model).__name__} has none (its config has no base_model_ep_plan)\n  fix: drop ep, or "
                                f"an MoE model (mixtral, qwen3_moe, ...)")
-        plan = fxshard.Plan.from_hf(sub, model)
+        plan = Plan.from_hf(sub, model)
     else:
-        plan = fxshard.Plan(sub, {})
+        plan = Plan(sub, {})
     specs, inputs = dict(plan.specs), {k: dict(v) for k, v in plan.inputs.items()}
     name = source.input_name
     from torch.distributed.tensor import Replicate, Shard
@@ -111,13 +119,13 @@ def build_plan(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh, 
         pattern = attention_pattern(model)
         if pattern in specs:
             raise TrainerError(f"--mesh {dims.spec}: the model's plan already has an entry for {pattern}; cp would replace it")
-        specs[pattern] = fxshard.context_parallel("cp", load_balance=dims.pp == 1)
+        specs[pattern] = context_parallel("cp", load_balance=dims.pp == 1)
         inputs.setdefault(name, {})["cp"] = Shard(1)
         if dims.pp > 1:
-            specs[final_norm_name(model)] = fxshard.ModuleSpec(out_src={"cp": Shard(1)}, out_dst={"cp": Replicate()})
+            specs[final_norm_name(model)] = ModuleSpec(out_src={"cp": Shard(1)}, out_dst={"cp": Replicate()})
     if dims.dp > 1:
         inputs.setdefault(name, {})["dp"] = Shard(0)
-    return fxshard.Plan(sub, specs, inputs=inputs, fsdp="dp" if dims.dp > 1 else None, pipeline=spec), spec
+    return Plan(sub, specs, inputs=inputs, fsdp="dp" if dims.dp > 1 else None, pipeline=spec), spec
 
 
 def _multi_stage(schedule: str) -> bool:
@@ -142,10 +150,10 @@ def parallelize(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh,
     t0 = time.perf_counter()
     try:
         if spec is not None:
-            module = fxshard.pipeline_transform(model, plan, mesh, example_kwargs=kwargs, spec=spec,
+            module = pipeline_transform(model, plan, mesh, example_kwargs=kwargs, spec=spec,
                                                 **({"blocks": "auto"} if opts.compile else {}))
         else:
-            module = fxshard.transform(model, plan, example_kwargs=kwargs, blocks="auto" if opts.compile else None,
+            module = transform(model, plan, example_kwargs=kwargs, blocks="auto" if opts.compile else None,
                                        timings=timings)
     except PlanError as e:
         raise TrainerError(f"--mesh {dims.spec} with --model {source.name}: the plan does not fit the model:\n{e}") from None
@@ -154,9 +162,9 @@ def parallelize(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh,
         if capture else f"startup: capture + transform {time.perf_counter() - t0:.1f} s")
     if source.loads_weights_per_rank:
         t0 = time.perf_counter()
-        fxshard.materialize(module, model, device=opts.device, init=None)
+        materialize(module, model, device=opts.device, init=None)
         # under pp a rank holds its stages' tensors only: the checkpoint's others are not its to read
-        fxshard.load_hf_checkpoint(module, source.name, model=model, strict=spec is None, show_progress=False)
+        load_hf_checkpoint(module, source.name, model=model, strict=spec is None, show_progress=False)
         log(f"startup: load {source.name} (this rank's slices) {time.perf_counter() - t0:.1f} s")
     if dims.dp > 1:
         fsdp_kwargs = {}
@@ -165,10 +173,10 @@ def parallelize(model: nn.Module, source: ModelSource, dims: ParallelDims, mesh,
 
             fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             log("startup: bf16 by FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
-        fxshard.fully_shard(module, mesh["dp"] if spec is not None else mesh, **fsdp_kwargs)
+        fully_shard(module, mesh["dp"] if spec is not None else mesh, **fsdp_kwargs)
     if opts.compile:
         t0 = time.perf_counter()
-        fxshard.compile(module, backend=opts.compile)
+        compile_blocks(module, backend=opts.compile)
         log(f"startup: compile set up ({opts.compile}, one graph per block; compiled at the first step) "
             f"{time.perf_counter() - t0:.1f} s")
     return Program(module, pipelined=spec is not None, gathers_sequence=dims.cp > 1 and spec is not None,

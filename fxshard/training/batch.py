@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard
 from fxshard.runtime import collectives
 from fxshard.runtime.context_parallel_ops import split_sequence
 from fxshard.errors import PlanError
-from fxshard.meta import KEY, TensorInfo
+from fxshard.meta import KEY, TensorInfo, program_meta
 from fxshard.plan.mesh import mesh_shape
 
 __all__ = ["shard_inputs"]
@@ -43,7 +43,7 @@ def shard_inputs(sharded: fx.GraphModule, *args: Any, **kwargs: Any) -> tuple[tu
 
     Example: ``args, kwargs = fxshard.shard_inputs(sharded, input_ids=ids, labels=labels)``
     """
-    if "fxshard_state" not in getattr(sharded, "meta", {}):
+    if program_meta(sharded).state is None:
         raise PlanError("fxshard.shard_inputs: this module was not made by fxshard.transform\n"
                         "  fix: pass the module fxshard.transform returned")
     placeholders = [n for n in sharded.graph.nodes if n.op == "placeholder"]
@@ -69,7 +69,7 @@ def _share(sharded: fx.GraphModule, node: fx.Node, x: Any) -> Any:
     value = meta.value if meta is not None else None
     if not isinstance(x, torch.Tensor) or not isinstance(value, TensorInfo):
         return x
-    cp_axes = sharded.meta.get("fxshard_context_parallel") or {}
+    cp_axes = program_meta(sharded).context_parallel or {}
     cuts = [(axis, p.dim) for axis, p in value.layout.items() if isinstance(p, Shard)]  # outer axes first
     # the sequence positions are picked from the global tensor (split_sequence reads a whole
     # one), then the other axes cut their dims: the same pieces when no two axes cut one dim
@@ -92,7 +92,7 @@ def _share(sharded: fx.GraphModule, node: fx.Node, x: Any) -> Any:
 def _check_even(sharded: fx.GraphModule, node: fx.Node, value: TensorInfo, x: torch.Tensor, cuts) -> None:
     """A dim the example's axis divided must divide now: the program computes each rank's
     positions as its index times its own length, which holds only for equal pieces."""
-    axes = sharded.meta.get("fxshard_mesh", {})
+    axes = program_meta(sharded).mesh or {}
     for axis, dim in cuts:
         n = axes.get(axis, 1)
         if n > 1 and value.shape[dim] % n == 0 and x.size(dim) % n:
@@ -126,9 +126,10 @@ def equal_pieces(gm: fx.GraphModule) -> list[EqualPiece]:
     shards parameters (the sequence under sequence parallelism).  A purely data-parallel
     axis (no parameter sharded on it, not context-parallel: the batch rows over ``dp``) may
     hold unequal rows: nothing there assumes equal ones."""
-    axes = gm.meta.get("fxshard_mesh") or {}
-    cp_axes = gm.meta.get("fxshard_context_parallel") or {}
-    param_axes = {a for layout, _ in (gm.meta.get("fxshard_state") or {}).values() for a, p in (layout or {}).items()
+    program = program_meta(gm)
+    axes = program.mesh or {}
+    cp_axes = program.context_parallel or {}
+    param_axes = {a for layout, _ in (program.state or {}).values() for a, p in (layout or {}).items()
                   if isinstance(p, Shard)}
     out = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -244,6 +245,6 @@ def guard_equal_pieces(gm: fx.GraphModule) -> list[EqualPiece]:
     if pieces:
         from fxshard.frontend.capture import InputOrder
 
-        guard = EqualPiecesGuard(pieces, gm.meta.get("model_class", type(gm).__name__), InputOrder.of(gm))
+        guard = EqualPiecesGuard(pieces, program_meta(gm).model_class or type(gm).__name__, InputOrder.of(gm))
         gm.register_forward_pre_hook(guard, with_kwargs=True)
     return pieces

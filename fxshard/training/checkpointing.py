@@ -30,10 +30,9 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from fxshard.errors import PlanError
+from fxshard.meta import program_meta, programs_of
 
-__all__ = ["checkpoint_blocks", "checkpointed_blocks", "has_checkpointed_layers", "CHECKPOINT_META"]
-
-CHECKPOINT_META = "fxshard_activation_checkpoint"  # a block GraphModule's meta: its forward runs checkpointed
+__all__ = ["checkpoint_blocks", "checkpointed_blocks", "has_checkpointed_layers"]
 
 
 def checkpoint_blocks(sharded: nn.Module) -> nn.Module:
@@ -44,18 +43,17 @@ def checkpoint_blocks(sharded: nn.Module) -> nn.Module:
 
     Example: ``fxshard.checkpoint_blocks(fxshard.transform(model, plan, (ids,), blocks="auto"))``
     """
-    pipelined = "fxshard_pipeline" in getattr(sharded, "meta", {})
-    programs = list(sharded.stages) if pipelined else [sharded]
-    if not all(isinstance(p, fx.GraphModule) and p.meta.get("fxshard_fsdp_units") for p in programs):
+    programs = programs_of(sharded)
+    if not all(isinstance(p, fx.GraphModule) and program_meta(p).fsdp_units for p in programs):
         raise PlanError(f"fxshard.checkpoint_blocks: this {type(sharded).__name__} has no transformer blocks split out, "
                         f"so there is no block to checkpoint\n  fix: transform with blocks='auto' (or an FQN pattern such "
                         f"as blocks='layers.*')")
     for program in programs:
-        for fqn in program.meta["fxshard_fsdp_units"]:
+        for fqn in program_meta(program).fsdp_units:
             block = program.get_submodule(fqn)
-            if block.meta.get(CHECKPOINT_META):
+            if program_meta(block).activation_checkpoint:
                 continue
-            block.meta[CHECKPOINT_META] = True
+            program_meta(block, create=True).activation_checkpoint = True
             block.forward = types.MethodType(checkpointed(block.forward), block)
     return sharded
 
@@ -77,9 +75,8 @@ def checkpointed_blocks(sharded: nn.Module) -> list[str]:
 
     Example: ``fxshard.checkpointed_blocks(sharded)   # ['model.layers.0', 'model.layers.1']``
     """
-    programs = sharded.stages if "fxshard_pipeline" in getattr(sharded, "meta", {}) else [sharded]
-    return [fqn for p in programs if isinstance(p, fx.GraphModule) for fqn in p.meta.get("fxshard_fsdp_units") or ()
-            if p.get_submodule(fqn).meta.get(CHECKPOINT_META)]
+    return [fqn for p in programs_of(sharded) if isinstance(p, fx.GraphModule) for fqn in program_meta(p).fsdp_units or ()
+            if program_meta(p.get_submodule(fqn)).activation_checkpoint]
 
 
 def has_checkpointed_layers(model: nn.Module) -> bool:

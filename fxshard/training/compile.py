@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import PlanError
-from fxshard.training.checkpointing import CHECKPOINT_META, checkpointed
+from fxshard.meta import pipeline_of, program_meta, programs_of
+from fxshard.training.checkpointing import checkpointed
 
 __all__ = ["compile", "compiled_blocks"]
 
@@ -51,9 +52,9 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
 
     Example: ``fxshard.compile(fxshard.transform(model, plan, (ids,), blocks="auto"), backend="aot_eager")``
     """
-    pipelined = "fxshard_pipeline" in getattr(sharded, "meta", {})
-    programs = list(sharded.stages) if pipelined else [sharded]
-    if not all(isinstance(p, fx.GraphModule) and p.meta.get("fxshard_fsdp_units") for p in programs):
+    pipelined = pipeline_of(sharded) is not None
+    programs = programs_of(sharded)
+    if not all(isinstance(p, fx.GraphModule) and program_meta(p).fsdp_units for p in programs):
         what = type(sharded).__name__
         how = "fxshard.pipeline_transform(model, plan, mesh, ..., blocks='auto')" if pipelined else \
             "fxshard.transform(model, plan, ..., blocks='auto') (or an FQN pattern such as blocks='layers.*')"
@@ -63,7 +64,7 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
     kwargs = {"fullgraph": True, **torch_compile_kwargs}
     compiled: dict[tuple[type, bool], object] = {}  # one compiled forward per block class (checkpointed or not)
     classes: list[fx.GraphModule] = []  # the first block of each distinct code
-    for program, fqn in ((p, fqn) for p in programs for fqn in p.meta["fxshard_fsdp_units"]):
+    for program, fqn in ((p, fqn) for p in programs for fqn in program_meta(p).fsdp_units):
         block = program.get_submodule(fqn)
         if getattr(block, "_fxshard_compiled", None) is not None:
             raise PlanError(f"fxshard.compile: block {fqn!r} is compiled already\n  fix: call fxshard.compile once per program")
@@ -74,7 +75,7 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
         elif type(block) is not type(same):
             block.__class__ = type(same)  # one class: dynamo's guard on type(self) holds for every such block
         # a checkpointed block (fxshard.checkpoint_blocks) compiles its checkpointed forward: dynamo's checkpoint op
-        key = (type(block), bool(block.meta.get(CHECKPOINT_META)))
+        key = (type(block), program_meta(block).activation_checkpoint)
         if key not in compiled:
             compiled[key] = torch.compile(checkpointed(key[0].forward) if key[1] else key[0].forward, **kwargs)
         block.forward = types.MethodType(compiled[key], block)
@@ -90,8 +91,7 @@ def compiled_blocks(sharded: fx.GraphModule) -> dict[str, int]:
     """
     index: dict[int, int] = {}
     out = {}
-    programs = sharded.stages if "fxshard_pipeline" in getattr(sharded, "meta", {}) else [sharded]
-    for program, fqn in ((p, fqn) for p in programs for fqn in p.meta.get("fxshard_fsdp_units") or ()):
+    for program, fqn in ((p, fqn) for p in programs_of(sharded) for fqn in program_meta(p).fsdp_units or ()):
         fn = getattr(program.get_submodule(fqn), "_fxshard_compiled", None)
         if fn is not None:
             out[fqn] = index.setdefault(id(fn), len(index))

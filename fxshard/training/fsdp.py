@@ -26,6 +26,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
+from fxshard.meta import pipeline_of, program_meta
 from fxshard.training.grad_norm import track_parameters
 
 __all__ = ["fully_shard"]
@@ -40,16 +41,24 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
     plan's ``fsdp`` axis; ``fsdp_kwargs`` go to every ``fully_shard`` call
     (``mp_policy=``, ``reshard_after_forward=``, ...).  Blocks already wrapped by hand
     (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``) are left as they are.
+    A pipelined module (:func:`fxshard.pipeline_transform`): the same on each of this rank's
+    stages (each block, then the stage); the module's parameters become the stages' new ones.
 
-    Example: ``fxshard.fully_shard(sharded, mesh)``
+    Example: ``fxshard.fully_shard(sharded, mesh)``, ``fxshard.fully_shard(staged, mesh["dp"])``
     """
-    if "fxshard_pipeline" in getattr(sharded, "meta", {}):  # this rank's stages: FSDP2 on each
-        return sharded.fully_shard(mesh, **fsdp_kwargs)
+    if pipeline_of(sharded) is not None:  # this rank's stages: FSDP2 on each
+        # the stages must hold this module's tensors (fxshard.materialize replaced them by FQN), or
+        # FSDP2 would shard the meta tensors the stages were cut with
+        sharded.sync_stage_state()
+        for stage in sharded.stages:
+            fully_shard(stage, mesh, axis=axis, **fsdp_kwargs)
+        sharded.adopt_stage_state()
+        return sharded
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    owned = sharded.meta.get("fxshard_fsdp") if isinstance(sharded, fx.GraphModule) else None
+    owned = program_meta(sharded).fsdp if isinstance(sharded, fx.GraphModule) else None
     if owned is None:
         raise PlanError("fxshard.fully_shard: this module's plan gives no mesh axis to FSDP2, so fxshard syncs the gradients "
                         "on every axis itself and FSDP2 would sync them a second time\n  fix: transform with "
@@ -68,7 +77,7 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
         raise PlanError(f"fxshard.fully_shard: the mesh has axes {list(names)}, not the plan's FSDP axis {owned!r}\n"
                         f"  fix: pass the mesh the plan was made with")
     dp_mesh = mesh[owned] if len(names) > 1 else mesh
-    for fqn in sharded.meta.get("fxshard_fsdp_units", ()):
+    for fqn in program_meta(sharded).fsdp_units or ():
         block = sharded.get_submodule(fqn)
         if not isinstance(block, FSDPModule):
             torch_fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
@@ -81,7 +90,7 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
 def require_fully_shard(gm: fx.GraphModule, axis: str) -> None:
     """Mark ``gm`` as owing axis ``axis`` to FSDP2: calling it before :func:`fully_shard`
     raises (its gradients on the axis would never be synced)."""
-    gm.meta["fxshard_fsdp"] = axis
+    program_meta(gm, create=True).fsdp = axis
     gm.register_forward_pre_hook(_check_fully_sharded)
 
 
@@ -89,7 +98,7 @@ def _check_fully_sharded(module, args) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, FSDPModule):
-        axis = module.meta.get("fxshard_fsdp")
+        axis = program_meta(module).fsdp
         raise PlanError(f"this module's plan gives axis {axis!r} to FSDP2 (Plan(fsdp={axis!r})), so fxshard syncs no "
                         f"gradient on it, and FSDP2 is not applied yet\n  fix: call fxshard.fully_shard(sharded, mesh) "
                         f"before the first step (or transform without fsdp= to let fxshard sum the gradients over {axis!r})")

@@ -32,13 +32,15 @@ import weakref
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
+from fxshard.meta import pipeline_of, program_meta
 from fxshard.state.shards import copies, copies_of, owned_children
 
-__all__ = ["clip_grad_norm_", "grad_norm", "stages_grad_norm", "track_parameters"]
+__all__ = ["clip_grad_norm_", "grad_norm", "track_parameters"]
 
 # id(parameter) -> (weakref to it, weakref to its transformed module, fqn)
 _OWNER: dict[int, tuple] = {}
@@ -69,18 +71,18 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
 
     ``module_or_params``: a module from :func:`fxshard.transform` (also after
     :func:`fxshard.fully_shard`), a pipelined one from :func:`fxshard.pipeline_transform`
-    (the norm over every stage), or an iterable of a module's parameters.  A collective: call it
-    on every rank.  ``norm_type``: any p, ``inf`` or 0, as torch's.
+    (the norm over every stage; a tied parameter's copies, equal after ``train_step``, count
+    once), or an iterable of a module's parameters.  A collective: call it on every rank.
+    ``norm_type``: any p, ``inf`` or 0, as torch's.
 
     Example: ``norm = fxshard.grad_norm(sharded)``
     """
     if not isinstance(module_or_params, (torch.nn.Module, torch.Tensor)):
         module_or_params = list(module_or_params)  # an iterator is read twice below
-    pipelined = "fxshard_pipeline" in getattr(module_or_params, "meta", {})
+    pipelined = pipeline_of(module_or_params) is not None
     if not pipelined:
         _refuse_stage_params(module_or_params, "fxshard.grad_norm", "fxshard.grad_norm(staged)")
-    # this rank's stages of a pipelined module: the norm over every stage is the module's own
-    total = module_or_params.grad_norm(norm_type) if pipelined else _norm(module_or_params, norm_type)
+    total = _pipeline_norm(module_or_params, norm_type) if pipelined else _norm(module_or_params, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
                            f"to disable this error and scale the gradients by the non-finite norm anyway, set "
@@ -88,12 +90,20 @@ def grad_norm(module_or_params, norm_type: float = 2.0, error_if_nonfinite: bool
     return total
 
 
-def stages_grad_norm(params, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm over ``params``, parameters of this rank's pipeline stages, across the
-    axes of the plan within a stage and not across the pipeline: the part of
-    :func:`fxshard.pipelining.grad_norm` that each pipeline rank computes before the
-    all-reduce over the pipeline axis."""
-    return _norm(params, norm_type)
+def _pipeline_norm(staged, norm_type: float) -> torch.Tensor:
+    """The norm over every stage of a pipelined module (:func:`fxshard.meta.pipeline_of`):
+    this rank's stages' norm over the plan's axes, then over the pipeline ranks."""
+    p = float(norm_type)
+    staged.sync_stage_state()
+    mine = staged.owned_parameters()
+    local = _norm(mine, norm_type) if mine else torch.zeros(())
+    local = local.detach().float().clone()
+    if p == math.inf:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=staged.pp_group)
+        return local
+    power = local if p in (0.0, 1.0) else local.pow(p)  # _norm took the p-th root over the plan's axes
+    dist.all_reduce(power, group=staged.pp_group)
+    return power if p in (0.0, 1.0) else power.pow(1.0 / p)
 
 
 def _norm(module_or_params, norm_type: float) -> torch.Tensor:
@@ -129,7 +139,7 @@ def clip_grad_norm_(module_or_params, max_norm: float, norm_type: float = 2.0, e
         opt.step()
     """
     params = [q for _, q in _named_params(module_or_params)]
-    if "fxshard_pipeline" not in getattr(module_or_params, "meta", {}):
+    if pipeline_of(module_or_params) is None:
         _refuse_stage_params(params, "fxshard.clip_grad_norm_", "fxshard.clip_grad_norm_(staged, max_norm)")
     total = grad_norm(params if not isinstance(module_or_params, torch.nn.Module) else module_or_params,
                       norm_type, error_if_nonfinite)
@@ -157,7 +167,7 @@ def _named_params(module_or_params) -> list[tuple[str | None, torch.Tensor]]:
 
 def _by_module(module_or_params) -> dict:
     """``{transformed module or None: [(fqn, parameter)]}``; ``None`` holds plain parameters."""
-    if isinstance(module_or_params, torch.nn.Module) and "fxshard_state" in getattr(module_or_params, "meta", {}):
+    if isinstance(module_or_params, torch.nn.Module) and program_meta(module_or_params).state is not None:
         return {module_or_params: list(module_or_params.named_parameters())}
     groups: dict = {}
     for _, q in _named_params(module_or_params):
@@ -204,7 +214,7 @@ def _module_sum(gm: fx.GraphModule, named, p: float) -> torch.Tensor | None:
         s = _power_sum(q.grad, p).to(device)
         # a box that ``c`` ranks hold is counted ``1/c`` times on each (max needs no weight)
         local = torch.maximum(local, s) if p == math.inf else local + s / copies_of(gm, fqn, q, owned)
-    axes = list(gm.meta.get("fxshard_mesh", {}))
+    axes = list(program_meta(gm).mesh or {})
     return collectives.reduce_over(local, axes, "max" if p == math.inf else "sum") if axes else local
 
 
@@ -218,8 +228,8 @@ def _stage_param(p: torch.Tensor) -> tuple[str, int] | None:
     if hit is None:
         return None
     gm, fqn = hit
-    stage = gm.meta.get("fxshard_pipeline_stage")
-    return None if stage is None else (fqn, stage["stage"])
+    stage = program_meta(gm).pipeline_stage
+    return None if stage is None else (fqn, stage.stage)
 
 
 def _refuse_stage_params(module_or_params, called: str, fix: str) -> None:
@@ -241,9 +251,10 @@ def _sharded_by_fxshard(p: torch.Tensor) -> str | None:
     if hit is None:
         return None
     gm, fqn = hit
-    axes = gm.meta.get("fxshard_mesh", {})
-    layout, _ = gm.meta.get("fxshard_state", {}).get(fqn, (None, None))
-    return fqn if copies(layout, axes, gm.meta.get("fxshard_heads", {}).get(fqn)) < math.prod(axes.values()) else None
+    program = program_meta(gm)
+    axes = program.mesh or {}
+    layout, _ = (program.state or {}).get(fqn, (None, None))
+    return fqn if copies(layout, axes, program.heads.get(fqn)) < math.prod(axes.values()) else None
 
 
 def _guard_torch_clip() -> None:

@@ -10,6 +10,7 @@ from equivalence import check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
 from torch.distributed.tensor import Replicate
 from fxshard.markers import region_input, region_output
+from fxshard.meta import program_meta
 
 
 class Block(nn.Module):
@@ -38,7 +39,7 @@ X = torch.randn(2, 6, 8)
 
 def test_untraceable_model_is_exported_and_normalized():
     gm = fxshard.trace(Block(), _plan(), (X,))
-    assert gm.meta["captured_by"] == "torch.export"
+    assert program_meta(gm).captured_by == "torch.export"
     markers = [(n.target.__name__, n.args[1], n.args[2]) for n in gm.graph.nodes if n.target in (region_input, region_output)]
     assert ("region_input", "up", "input") in markers and ("region_output", "down", "output") in markers
     code = gm.code

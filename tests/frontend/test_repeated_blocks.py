@@ -16,6 +16,7 @@ from equivalence import Case, check_real_cases
 from fxshard.frontend.capture import capture
 from fxshard.frontend.repeated_blocks import _sources, block_graph, plan_stamping
 from fxshard.testing.hf_tiny import tiny_inputs, tiny_model
+from fxshard.meta import program_meta
 
 ALTERNATING = ["sliding_attention", "full_attention"] * 4
 FAMILIES = {
@@ -40,7 +41,7 @@ def test_stamped_blocks_are_the_fully_captured_blocks(family):
     stamped = capture(model, plan, example_kwargs=batch)
     full = capture(model, plan, example_kwargs=batch, repeated_blocks=False)
     stamp, _ = plan_stamping(model)
-    assert stamped.meta["capture_blocks"].startswith(f"stamped {len(stamp.names) - stamp.captured} of {len(stamp.names)}")
+    assert program_meta(stamped).capture_blocks.startswith(f"stamped {len(stamp.names) - stamp.captured} of {len(stamp.names)}")
     assert len(stamped.graph.nodes) == len(full.graph.nodes)
     for i in range(len(stamp.names)):
         assert block_graph(stamped, stamp.prefix(i)) == block_graph(full, stamp.prefix(i)), stamp.prefix(i)
@@ -87,7 +88,7 @@ def test_blocks_that_differ_in_the_graph_are_captured_in_full_and_warn():
     x = torch.randn(2, 8)
     with pytest.warns(UserWarning, match="blocks captured in full: blocks.1 and blocks.2, of one kind, are not the same graph"):
         gm = capture(model, None, (x,))
-    assert gm.meta["capture_blocks"].startswith("captured in full")
+    assert program_meta(gm).capture_blocks.startswith("captured in full")
     y = torch.randn(3, 8)
     torch.testing.assert_close(gm(y), model(y))
 
@@ -96,11 +97,11 @@ def test_blocks_of_different_configs_are_captured_in_full():
     torch.manual_seed(0)
     model = _Stack([8] * 5, [1.0] * 5)
     same = capture(model, None, (torch.randn(2, 8),))
-    assert same.meta["capture_blocks"] == "stamped 2 of 5 blocks of blocks from 3 captured"
+    assert program_meta(same).capture_blocks == "stamped 2 of 5 blocks of blocks from 3 captured"
     per_layer = nn.Sequential(nn.Linear(8, 8), _Stack([8, 8, 8, 8], [1.0] * 4))
     per_layer[1].blocks[2].proj = nn.Linear(8, 8, bias=False)  # one block's own config
     gm = capture(per_layer, None, (torch.randn(2, 8),))
-    assert gm.meta["capture_blocks"].startswith("captured in full: the blocks of 1.blocks are not repeats")
+    assert program_meta(gm).capture_blocks.startswith("captured in full: the blocks of 1.blocks are not repeats")
 
 
 def _plan(mesh, family):
@@ -108,7 +109,7 @@ def _plan(mesh, family):
 
 
 def _stamped(sharded, mesh, rank, world_size):
-    assert sharded.meta["capture_blocks"].startswith("stamped"), sharded.meta["capture_blocks"]
+    assert program_meta(sharded).capture_blocks.startswith("stamped"), program_meta(sharded).capture_blocks
 
 
 def _logits(out):

@@ -11,6 +11,7 @@ import fxshard
 from fxshard import PlanError
 
 from harness import plain, rank_value, simulated
+from fxshard.meta import program_meta
 
 
 class Scan(nn.Module):
@@ -44,7 +45,7 @@ def test_a_fixed_sequence_runs_exactly_at_its_size_and_is_refused_at_another():
             want = model(ids)
         with pytest.warns(UserWarning, match="fixes 'input_ids' dim 1 at 6"):
             sharded = fxshard.transform(model, fxshard.Plan(mesh, {"head": fxshard.colwise("tp")}), (ids,))
-        assert sharded.meta["static_input_dims"] == [("input_ids", 1, 6)]
+        assert program_meta(sharded).static_input_dims == [("input_ids", 1, 6)]
         outs = [rank_value(sharded(ids), r) for r in range(2)]  # the head's vocab halves
         torch.testing.assert_close(torch.cat(outs, -1) if outs[0].shape[-1] == 16 else outs[1], want)
         with pytest.raises(PlanError, match=r"input 'input_ids' of Scan has 8 on dim 1, but the program was captured with "
@@ -64,7 +65,7 @@ def test_a_dynamic_model_gets_no_check():
             return self.emb(input_ids).mean(1)
 
     sharded = fxshard.transform(Mean(), fxshard.Plan(fxshard.MeshSpec(("tp",), (2,)), {}), (_ids(2, 6),), capture="export")
-    assert sharded.meta["static_input_dims"] == [] and not sharded._forward_pre_hooks
+    assert program_meta(sharded).static_input_dims == [] and not sharded._forward_pre_hooks
 
 
 def test_hf_jamba_without_mamba_kernels_is_checked():
@@ -137,7 +138,7 @@ class Windows(nn.Module):
 def test_a_size_derived_from_a_dynamic_dim_runs_where_it_holds_and_is_refused_elsewhere():
     model = Windows()
     sharded = fxshard.transform(model, fxshard.Plan(fxshard.MeshSpec(("tp",), (1,)), {}), (torch.randn(2, 6, 8),))
-    assert [r[:2] + r[4:5] for r in sharded.meta["input_dim_ranges"]] == [("x", 1, (("(size//4)", 1),))]
+    assert [r[:2] + r[4:5] for r in program_meta(sharded).input_dim_ranges] == [("x", 1, (("(size//4)", 1),))]
     for length in (4, 5, 7):  # one window of 4, as in the example: exact
         x = torch.randn(3, length, 8)
         torch.testing.assert_close(sharded(x), model(x))

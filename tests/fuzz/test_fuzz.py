@@ -69,6 +69,7 @@ from harness import make_mesh, plain, rank_map, rank_value, simulated, spawn
 
 from grammar import (AttnCfg, BlockCfg, Entry, FuzzCase, MlpCfg, ModelCfg, build_example_inputs, build_inputs, build_model,
                      build_plan, fuzz_cases, plan_source)
+from fxshard.meta import program_meta
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -235,8 +236,8 @@ def run_case(case: FuzzCase, real_rank: int | None = None) -> Outcome:
 
         # ---- compare every rank with the matching slice of the single-device values
         with plain():
-            state = sharded.meta.get("fxshard_state", {})
-            blocks = sharded.meta.get("fxshard_blocks", {})
+            state = (program_meta(sharded).state or {})
+            blocks = program_meta(sharded).blocks
             grads = {n: p.grad for n, p in sharded.named_parameters(remove_duplicate=False)}
             if set(grads) != set(ref_grads):
                 return Outcome("wrong", f"parameter FQNs differ: lost {sorted(set(ref_grads) - set(grads))}, "
@@ -461,6 +462,7 @@ SHARD_RESULT = "fxshard fuzz shard result: "
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # ~8 min: .ci/run's second stage
 def test_fuzz_sweep(fuzz_report):
     """>= 1000 random models x plans with fixed seeds; stops drawing after
     FXSHARD_FUZZ_SECONDS.  Every case must be equal or a clean PlanError.

@@ -15,6 +15,7 @@ from fxshard.layout.placements import HeadReplicas
 from fxshard.testing import models
 
 from equivalence import Case, check_real_cases, check_simulated
+from fxshard.meta import program_meta
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,8 +62,8 @@ def test_qwen2_two_kv_heads_at_tp4_exact(attn):
     sharded = check_simulated(functools.partial(_qwen2, attn), functools.partial(_hf_plan, attn=attn), (), {"tp": 4},
                               kwargs=_batch(), **CHECK)
     wk = "model.layers.0.self_attn.k_proj.weight"
-    assert sharded.meta["fxshard_heads"][wk] == HeadReplicas("tp", 2)
-    assert sharded.meta["fxshard_state"][wk] == ({"tp": Shard(0)}, (16, 64))  # the real global shape: 2 heads of 8
+    assert program_meta(sharded).heads[wk] == HeadReplicas("tp", 2)
+    assert program_meta(sharded).state[wk] == ({"tp": Shard(0)}, (16, 64))  # the real global shape: 2 heads of 8
     s = fxshard.comm_summary(sharded)
     rows = [r for r in s.rows if "replicated heads" in r.purpose]
     # k and v, weight and bias, per layer (bucketed): summed over the 2 ranks of each head

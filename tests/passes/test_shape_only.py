@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from equivalence import Case, check_real_cases, check_simulated
 from fxshard import MeshSpec, Plan, PlanError, colwise, rowwise
-from fxshard.meta import KEY
+from fxshard.meta import KEY, program_meta
 
 C, H, T = 32, 4, 8
 
@@ -129,7 +129,7 @@ def test_every_other_measured_form_simulated(capture):
 
     factory = _factory("every_other_form") if capture == "fx" else functools.partial(_exported, "every_other_form")
     sharded = check_simulated(factory, make_plan, (X,), {"tp": 2})
-    assert sharded.meta["captured_by"] == ("torch.fx" if capture == "fx" else "torch.export")
+    assert program_meta(sharded).captured_by == ("torch.fx" if capture == "fx" else "torch.export")
 
 
 def test_batch_kept_heads_selected_away_on_a_dp_tp_mesh():

@@ -1,5 +1,5 @@
 """shard_state: parameters and buffers become this rank's shards under the same FQNs;
-the global layout and shape of each are kept in gm.meta["fxshard_state"]."""
+the global layout and shape of each are kept in ProgramMeta.state (fxshard.meta.program_meta(gm).state)."""
 from __future__ import annotations
 
 import itertools
@@ -15,6 +15,7 @@ from fxshard.testing.models import gpt2, gpt2_plan, llama, llama_plan, mlp, toke
 
 from equivalence import slice_for
 from harness import plain, rank_value, simulated
+from fxshard.meta import program_meta
 
 IDS = tokens(2, 8, 128)
 
@@ -24,7 +25,7 @@ def test_local_shards_under_the_same_names(c):
     model = llama(n_heads=8, n_kv_heads=4)
     sharded = fxshard.transform(model, Plan(MeshSpec(("tp",), (4,), coordinate=(c,)), llama_plan("tp")), (IDS,))
     full = dict(model.named_parameters())
-    state = sharded.meta["fxshard_state"]
+    state = program_meta(sharded).state
     assert dict(sharded.named_parameters()).keys() == full.keys()
     assert sharded.state_dict().keys() == model.state_dict().keys()
     for fqn, p in sharded.named_parameters():
@@ -57,7 +58,7 @@ def test_tied_parameters_stay_tied():
     sharded = fxshard.transform(model, Plan(MeshSpec(("tp",), (2,)), gpt2_plan("tp")), (IDS,))
     assert sharded.wte.weight is sharded.lm_head.weight
     assert sharded.wte.weight.shape == (64, 64)
-    assert sharded.meta["fxshard_state"]["lm_head.weight"][0] == {"tp": Shard(0)}
+    assert program_meta(sharded).state["lm_head.weight"][0] == {"tp": Shard(0)}
 
 
 def test_simulated_ranks_hold_their_own_shards():

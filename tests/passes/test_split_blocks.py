@@ -16,6 +16,7 @@ from fxshard.passes.split_blocks import block_of, split_blocks
 from fxshard.testing.models import gpt2, gpt2_plan, llama, llama_plan, tokens
 
 from harness import rank_value, simulated
+from fxshard.meta import program_meta
 
 IDS = tokens(4, 8, 128)
 
@@ -23,9 +24,9 @@ IDS = tokens(4, 8, 128)
 def test_blocks_of_llama_are_module_list_items():
     sharded = fxshard.transform(llama(n_layers=3), Plan(MeshSpec(("dp", "tp"), (2, 2)), llama_plan("tp"),
                                                         inputs={"tokens": {"dp": Shard(0)}}, fsdp="dp"), (IDS,))
-    assert sharded.meta["fxshard_fsdp_units"] == ["layers.0", "layers.1", "layers.2"]
+    assert program_meta(sharded).fsdp_units == ["layers.0", "layers.1", "layers.2"]
     assert isinstance(sharded.layers, torch.nn.ModuleList) and len(sharded.layers) == 3
-    assert all(isinstance(b, torch.fx.GraphModule) and b.meta["fxshard_block"] == f"layers.{i}"
+    assert all(isinstance(b, torch.fx.GraphModule) and program_meta(b).block == f"layers.{i}"
                for i, b in enumerate(sharded.layers))
     assert type(sharded.layers[0]).__name__ == "TransformerBlock"
     calls = [n.target for n in sharded.graph.nodes if n.op == "call_module"]
@@ -42,9 +43,9 @@ def test_blocks_of_llama_are_module_list_items():
 def test_gpt2_blocks_and_a_pattern():
     plan = Plan(MeshSpec(("dp", "tp"), (2, 2)), gpt2_plan("tp"), inputs={"ids": {"dp": Shard(0)}}, fsdp="dp")
     sharded = fxshard.transform(gpt2(), plan, (IDS,))
-    assert sharded.meta["fxshard_fsdp_units"] == ["h.0", "h.1"]
+    assert program_meta(sharded).fsdp_units == ["h.0", "h.1"]
     mlps = fxshard.transform(gpt2(), plan, (IDS,), blocks="h.*.mlp")
-    assert mlps.meta["fxshard_fsdp_units"] == ["h.0.mlp", "h.1.mlp"]
+    assert program_meta(mlps).fsdp_units == ["h.0.mlp", "h.1.mlp"]
 
 
 def test_split_keeps_the_numbers_and_non_persistent_buffers():

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 import fxshard
 from fxshard.pipelining import pipeline, pipeline_transform, train_step
 from fxshard.testing.hf_tiny import tiny_inputs
+from fxshard.meta import program_meta
 
 try:
     from harness import make_mesh, spawn
@@ -115,7 +116,7 @@ def loss_fn_over_gathered_cp(staged, name: str) -> None:
     ids, _ = tiny_inputs(batch=4, seq=8, seed=1)
     target = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(3))
     assert staged.batch_axes == (), f"{name}: {staged.batch_axes}"
-    cp = staged.meta["fxshard_mesh"]["cp"]
+    cp = program_meta(staged).mesh["cp"]
     mine = ids.chunk(cp, 1)[torch.distributed.get_rank() % cp]  # the mesh is (pp, cp): cp is the inner dim
     loss = train_step(staged, {"input_ids": mine}, loss_fn=logits_cross_entropy, target=target)
     ref_loss = logits_cross_entropy(reference(input_ids=ids), target)

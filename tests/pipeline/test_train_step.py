@@ -19,6 +19,7 @@ import fxshard
 from fxshard.pipelining import pipeline, pipeline_transform, train_step
 from fxshard.testing.hf_tiny import ALIASES, TinyBuildError, config_class, tiny_inputs, tiny_kwargs, tiny_model
 from fxshard.testing.models import llama, tokens
+from fxshard.meta import program_meta
 
 try:
     from harness import make_mesh, spawn
@@ -127,7 +128,7 @@ def check_case(family: str, mesh_shape: dict, schedule: str, microbatches: int, 
         fxshard.load_full_state_dict(staged, model.state_dict(), strict=False)  # the other stages' keys are not this rank's
         assert not any(p.is_meta for p in staged.parameters()), name
     # this rank holds its stages' blocks and no other
-    held_blocks = {b for st in staged.stages for b in st.meta["fxshard_pipeline_stage"]["blocks"]}
+    held_blocks = {b for st in staged.stages for b in program_meta(st).pipeline_stage.blocks}
     for fqn, _ in staged.named_parameters(remove_duplicate=False):
         for i in range(4):
             block = f".{i}."

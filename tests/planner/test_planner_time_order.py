@@ -35,6 +35,7 @@ MESHES = {"tp=4": 1, "pp=2,tp=2": 2, "pp=4": 4}  # mesh: micro-batches
 NAMES = [m + ac for m in MESHES for ac in ("", "+ac")]
 
 
+@pytest.mark.isolated  # measures step times: alone, after the others (another worker's load reorders close ones)
 def test_predicted_order_is_the_measured_order(tmp_path):
     configs = [dict(name=n, model="llama", overrides=MODEL, mesh=n.removesuffix("+ac"), seq=SEQ, batch=BATCH,
                     microbatches=MESHES[n.removesuffix("+ac")], ac=n.endswith("+ac"), timed=6) for n in NAMES]

@@ -1,15 +1,12 @@
 """Rules for attention: ``F.scaled_dot_product_attention`` (by heads, batch, or sequence
-under context parallelism) and the sliding-window mask fxshard's capture builds."""
+under context parallelism).  The rule of the sliding-window mask fxshard's capture builds
+is registered where that op is defined (``fxshard.runtime.context_parallel_ops``)."""
 from __future__ import annotations
 
-import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxshard.runtime import context_parallel_ops  # noqa: F401 - registers the fxshard::sliding_window_mask op
 from fxshard.layout.op_rules.context import R, Ctx, layout_map, reduce_fix
-from fxshard.layout.op_rules.numbers import number_axes, sharded_source
 from fxshard.layout.op_rules.table import register_rule
 from fxshard.layout.placements import fmt_placement
 from fxshard.meta import KEY, Rewrite, TensorInfo
@@ -83,22 +80,3 @@ def _context_parallel_attention(ctx: Ctx, cp, axis: str, q: TensorInfo, mask: Te
             raise ctx.fail(f"attention mask is Partial on {axis!r}", reduce_fix(axis))
     ctx.request_rewrite(Rewrite.CONTEXT_PARALLEL)
     return Shard(nd - 2)
-
-
-@register_rule(torch.ops.fxshard.sliding_window_mask.default)
-def sliding_window_mask(ctx: Ctx):
-    """``fxshard::sliding_window_mask(length, window, device)``: ``[T, T]`` built from a
-    length.  A length read from a dim sharded on one context-parallel axis gives each
-    rank the rows of its positions (``Shard(0)`` there, whole key rows); ``localize``
-    builds them (``Rewrite.WINDOW_ROWS``)."""
-    length = ctx.arg(0)
-    axes = number_axes(length) if isinstance(length, fx.Node) else frozenset()
-    if axes is None or len(axes) > 1 or (axes and next(iter(axes)) not in ctx.cp_axes):
-        raise ctx.fail(f"a sliding-window mask sized by `{getattr(length, 'name', length)}`, read from {sharded_source(length)}",
-                       "shard the sequence on a context-parallel axis (fxshard.context_parallel), or size the mask with a "
-                       "length that is not sharded")
-    if axes:
-        ctx.request_rewrite(Rewrite.WINDOW_ROWS)
-        (axis,) = axes
-        return {a: Shard(0) if a == axis else R for a in ctx.axes}
-    return {a: R for a in ctx.axes}

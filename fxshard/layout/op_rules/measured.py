@@ -67,7 +67,7 @@ def views(node: fx.Node, value: fx.Node) -> bool:
 def _sliced_length_kept(ctx: Ctx, x: TensorInfo, axis: str, dim: int, s) -> bool:
     """Does slicing dim ``dim`` (sharded on ``axis`` only) with the literal slice ``s`` give
     every rank's local piece the length it gives the whole dim?"""
-    from fxshard.state.shards import chunk_range
+    from fxshard.layout.placements import chunk
 
     if not isinstance(s, slice) or not all(b is None or isinstance(b, int) for b in (s.start, s.stop, s.step)):
         return False
@@ -75,7 +75,7 @@ def _sliced_length_kept(ctx: Ctx, x: TensorInfo, axis: str, dim: int, s) -> bool
         return False
     n, size = ctx.axes[axis], x.shape[dim]
     want = len(range(size)[s])
-    return all(len(range(chunk_range(size, n, i)[1])[s]) == want for i in range(n))
+    return all(len(range(chunk(size, n, i)[1])[s]) == want for i in range(n))
 
 
 def _measured_index(ctx: Ctx, x: TensorInfo, items: tuple):

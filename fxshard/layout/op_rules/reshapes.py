@@ -136,9 +136,9 @@ def reshape_like(ctx: Ctx):
 
 def piece_sizes(size: int, n: int) -> str:
     """``"3, 3, 2"``: the sizes of ``torch.chunk``'s pieces of ``size`` over ``n`` ranks, for messages."""
-    from fxshard.state.shards import chunk_range
+    from fxshard.layout.placements import chunk
 
-    return ", ".join(str(chunk_range(size, n, i)[1]) for i in range(n))
+    return ", ".join(str(chunk(size, n, i)[1]) for i in range(n))
 
 
 def like_other(rule: Callable) -> Callable:

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     if args.one is not None:  # a rank of one cuda run, under torchrun
-        from fxshard.cli import launch
+        from fxshard.testing import launch
 
         launch.run(_worker, args.world, tuple(json.loads(args.one)), args.out)
         return 0

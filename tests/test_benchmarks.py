@@ -118,6 +118,7 @@ def test_transform_time(results):
     (meta,) = res["hf_llama_meta"]  # Llama-3-8B on the meta device: 16 GB of bf16 weights never allocated
     assert meta["params"] > 8e9 and meta["nodes"] > 1000 and meta["peak_rss"] < meta["bf16_bytes"] / 4
     assert meta["capture_blocks"] == "stamped 29 of 32 blocks of model.layers from 3 captured"
+    assert [r["mesh"] for r in res["gemma3_startup"]] == ["tp=2", "cp=2", "cp=2,tp=2"]
 
 
 def test_memory(results):

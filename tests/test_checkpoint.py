@@ -7,6 +7,7 @@ round-off across meshes, exactly at the same mesh).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -336,6 +337,10 @@ def test_tampered_state_file_is_refused_not_run(tmp_path):
     torch.load(tmp_path / "payload.pt", weights_only=False)  # the payload is live: unpickled, it runs
     assert control.exists()
     torch.save(_CreatesFile(ran), tmp_path / "c" / "state.0.pt")
+    # the commit file's sizes and digests find it first; an older checkpoint (no file list) is unpickled safely
+    with pytest.raises(fxshard.PlanError, match=r"state.0.pt (has \d+ bytes|is not the file that was written)"):
+        fxshard.load(torch.nn.Linear(4, 3), tmp_path / "c")
+    (tmp_path / "c" / "fxshard_commit.json").write_text(json.dumps({"seq": 1, "world_size": 1}))
     with pytest.raises(fxshard.PlanError, match="(?s)state.0.pt does not load as plain data.*tampered.*was not run"):
         fxshard.load(torch.nn.Linear(4, 3), tmp_path / "c")
     assert not ran.exists()

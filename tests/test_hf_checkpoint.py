@@ -66,6 +66,9 @@ class _CountReads:
                     def get_shape(self):
                         return piece.get_shape()
 
+                    def get_dtype(self):
+                        return piece.get_dtype()
+
                     def __getitem__(self, index):
                         t = piece[index]
                         outer.elements += t.numel()
@@ -119,7 +122,7 @@ def test_wrong_checkpoint_and_order_are_plan_errors(tmp_path):
     other = tiny_config("llama", intermediate_size=256)
     with pytest.raises(fxshard.PlanError, match="mlp.*shape.*this config"):
         fxshard.load_hf_checkpoint(sharded, _save(_build(other), tmp_path / "other"))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(fxshard.PlanError, match="nowhere"):
         fxshard.load_hf_checkpoint(sharded, tmp_path / "nowhere")
     # a checkpoint lacking tensors: strict names them, strict=False keeps the rest
     from safetensors.torch import save_file

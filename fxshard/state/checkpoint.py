@@ -24,13 +24,25 @@ numbers, ``None``, tensors), refused at :func:`save` otherwise; :func:`load` rea
 ``state`` files and DCP's pickled values with ``weights_only=True`` and DCP's
 ``.metadata`` (a pickle, which torch's ``FileSystemReader`` reads with ``pickle.load``)
 with an unpickler that builds DCP's metadata classes and nothing else.
+
+Nothing outside the checkpoint is read, and nothing is loaded that does not check out
+(everything below is checked before the first tensor is written to): every file the
+``.metadata`` names is a regular file inside the checkpoint's directory
+(:func:`fxshard.state.files.confined_file`) and a file the commit file lists; every
+tensor's stored chunks cover it exactly once; the model's keys, global shapes and dtypes
+are the checkpoint's (``strict=False`` lets keys be missing or extra); each rank's
+``state.<rank>.pt`` is there for the world size the commit file records; and the size and
+SHA-256 of every file the commit file lists are what :func:`save` wrote
+(``check_digests=False`` skips the digests).  Any of it is a PlanError naming the file.
 """
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
+import re
 import shutil
 from typing import Any
 
@@ -44,11 +56,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
-from fxshard.meta import program_meta
+from fxshard.meta import pipeline_of, program_meta
+from fxshard.state.files import DIGEST, confined_file, file_digest, regular_file
 from fxshard.state.module_state import named_state
 from fxshard.state.progress import progress
 from fxshard.state.shards import Runs, boxes, runs_of
@@ -160,21 +174,110 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeReader(dcp.FileSystemReader):
     """DCP's ``FileSystemReader`` reading ``.metadata`` with :class:`_MetadataUnpickler`
-    (torch's reads it with ``pickle.load``: a tampered file would run its pickle)."""
+    (torch's reads it with ``pickle.load``: a tampered file would run its pickle), checking
+    it (:func:`_check_metadata`: every file it names is a regular file inside the
+    checkpoint, every tensor covered once) and keeping it, so DCP reads what was checked.
+    ``listed``: the files the commit file lists (``None``: an older checkpoint's, unlisted)."""
+
+    def __init__(self, path: str, listed: dict | None = None):
+        super().__init__(path)
+        self.checkpoint, self.listed, self.metadata = path, listed, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except Exception as e:  # noqa: BLE001 - whatever the bytes make the unpickler raise
-                raise _not_plain(path, e) from None
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise _not_plain(path, TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if self.metadata is None:
+            path = regular_file(self._get_metadata_path(kwargs.get("rank")), what="fxshard.load")
+            with self.fs.create_stream(path, "rb") as f:
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except Exception as e:  # noqa: BLE001 - whatever the bytes make the unpickler raise
+                    raise _not_plain(path, e) from None
+            if not isinstance(metadata, dcp_metadata.Metadata):
+                raise _not_plain(path, TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata"))
+            _check_metadata(self.checkpoint, os.fspath(path), metadata, self.listed)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_metadata.StorageMeta()
+            self.metadata = metadata
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except PlanError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever a damaged file makes torch raise: named with its file
+            files = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
+            where = os.path.join(self.checkpoint, files[0]) if len(files) == 1 else f"one of {files} in {self.checkpoint}"
+            raise PlanError(f"fxshard.load: {where} does not read as the .metadata says ({type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); the checkpoint is damaged"
+                            f"\n  fix: copy the checkpoint again from where it was written, or load an older one") from None
+
+
+def _damaged(where: str, problem: str) -> PlanError:
+    return PlanError(f"fxshard.load: {where}: {problem}; nothing was loaded\n  fix: the checkpoint is damaged or was "
+                     f"tampered with: copy it again from where it was written, or load an older one")
+
+
+def _check_metadata(path: str, where: str, metadata, listed: dict | None) -> None:
+    """Every piece ``metadata`` stores is in a regular file inside ``path`` (one the commit
+    file lists, where it lists them), within that file's bytes; every tensor's chunks cover
+    it exactly once; every chunk and value has its stored piece."""
+    storage, entries = metadata.storage_data, metadata.state_dict_metadata
+    if not isinstance(storage, dict) or not isinstance(entries, dict):
+        raise _damaged(where, "its index of stored pieces is not DCP's")
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise _damaged(where, f"it lists a {type(info).__name__} where DCP's file reader records a piece")
+        rel = info.relative_path
+        if rel not in sizes:
+            file = confined_file(path, rel, what=f"fxshard.load: {where} names")
+            if listed is not None and rel not in listed:
+                raise _damaged(where, f"it names {rel!r}, a file the checkpoint's {COMMIT_FILE} does not list")
+            sizes[rel] = os.stat(file).st_size
+            if listed is not None and sizes[rel] != listed[rel]["size"]:
+                raise PlanError(f"fxshard.load: {file} has {sizes[rel]} bytes, {listed[rel]['size']} were written: it "
+                                f"was truncated or changed after the save; nothing was loaded\n  fix: copy the "
+                                f"checkpoint again from where it was written, or load an older one")
+        off, n = info.offset, info.length
+        if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= sizes[rel]):
+            raise _damaged(where, f"the piece of {index.fqn!r} is at bytes {off}..{off}+{n} of {rel!r}, which has "
+                                  f"{sizes[rel]} bytes")
+    for fqn, md in entries.items():
+        if isinstance(md, TensorStorageMetadata):
+            _check_chunks(where, fqn, md)
+            for c in md.chunks:
+                if MetadataIndex(fqn, c.offsets) not in storage:
+                    raise _damaged(where, f"the chunk of {fqn!r} at {tuple(c.offsets)} has no stored bytes")
+        elif MetadataIndex(fqn) not in storage:
+            raise _damaged(where, f"the value {fqn!r} has no stored bytes")
+
+
+def _check_chunks(where: str, fqn: str, md: TensorStorageMetadata) -> None:
+    """The chunks of a tensor are boxes inside it that cover it exactly once: their
+    volumes add up to its size and no two overlap (a missing, half or overlapping chunk
+    would leave elements at their old values, or load them twice)."""
+    size = tuple(md.size)
+    boxes, total = [], 0
+    for c in md.chunks:
+        off, sz = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(sz) != len(size) or \
+                any(o < 0 or s < 0 or o + s > n for o, s, n in zip(off, sz, size)):
+            raise _damaged(where, f"{fqn!r} of shape {size} has a chunk at {off} of shape {sz}, outside it")
+        volume = math.prod(sz)
+        total += volume
+        if volume:
+            boxes.append((off, tuple(o + s for o, s in zip(off, sz))))
+    boxes.sort()
+    for i, (lo, hi) in enumerate(boxes):
+        for lo2, hi2 in boxes[i + 1:]:
+            if size and lo2[0] >= hi[0]:
+                break  # sorted by the first offset: no later box reaches back into this one
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
+                raise _damaged(where, f"{fqn!r} has overlapping chunks at {lo} and {lo2}")
+    if total != math.prod(size):
+        raise _damaged(where, f"the chunks of {fqn!r} (shape {size}) hold {total} of its {math.prod(size)} elements "
+                              f"(a chunk is missing)")
 
 
 def _not_plain(what, error: BaseException) -> PlanError:
@@ -295,7 +398,8 @@ _STAGING, _REPLACED = ".partial", ".replaced"
 
 
 def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
-         state: dict | None = None, keep_last: int | None = None, show_progress: bool | None = None) -> None:
+         state: dict | None = None, keep_last: int | None = None, digest: bool = True,
+         show_progress: bool | None = None) -> None:
     """Save ``module``'s shards (and ``optimizer``'s state) as a DCP checkpoint in
     ``path``.  A collective: every rank of the mesh calls it.
 
@@ -304,7 +408,10 @@ def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
     ``path + ".partial"`` and made visible as ``path`` in one rename once every rank has
     written its part, so a rank killed mid-save leaves no ``path`` behind and
     :func:`latest_checkpoint` returns the last one committed.  ``keep_last=k``: the ``k``
-    newest committed checkpoints beside ``path`` are kept, older ones deleted.
+    newest committed checkpoints beside ``path`` are kept, older ones deleted.  The commit
+    file lists every file written with its size and, unless ``digest=False`` (very large
+    checkpoints: the digests read every byte once more, split over the ranks), its SHA-256,
+    which :func:`load` checks.
 
     Example::
 
@@ -334,6 +441,8 @@ def save(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
     finally:
         bar.close()
     _barrier()  # every rank's state file too
+    _list_files(staging, rank, digest)
+    _barrier()
     if rank == 0:
         _commit(staging, path)
         if keep_last is not None:
@@ -402,11 +511,31 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     return found[-1][1] if found else None
 
 
+_LISTING = "fxshard_files."  # each rank's share of the listing, merged into the commit file
+
+
+def _list_files(staging: str, rank: int, digest: bool) -> None:
+    """Each rank records the size (and digest) of its share of the written files (every
+    ``world_size``-th, by name) in ``fxshard_files.<rank>.json``."""
+    world = _world_size()
+    names = sorted(n for n in os.listdir(staging) if not n.startswith(_LISTING) and n != COMMIT_FILE)
+    mine = {n: {"size": os.path.getsize(os.path.join(staging, n)),
+                DIGEST: file_digest(os.path.join(staging, n)) if digest else None} for n in names[rank::world]}
+    with open(os.path.join(staging, f"{_LISTING}{rank}.json"), "w") as f:
+        json.dump(mine, f)
+
+
 def _commit(staging: str, path: str) -> None:
     root = os.path.dirname(os.path.abspath(path))
     seq = max((s for s, _ in _committed(root)), default=0) + 1
+    files: dict[str, dict] = {}
+    for name in sorted(os.listdir(staging)):
+        if name.startswith(_LISTING):
+            with open(os.path.join(staging, name)) as f:
+                files.update(json.load(f))
+            os.remove(os.path.join(staging, name))
     with open(os.path.join(staging, COMMIT_FILE), "w") as f:
-        json.dump({"seq": seq, "world_size": _world_size()}, f)
+        json.dump({"seq": seq, "world_size": _world_size(), "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(path):  # saved again under the same name: the old one goes only once the new one is there
@@ -462,12 +591,18 @@ def _barrier() -> None:
 
 
 def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
-         show_progress: bool | None = None) -> dict | None:
+         strict: bool = True, check_digests: bool = True, show_progress: bool | None = None) -> dict | None:
     """Load a checkpoint written by :func:`save` at any mesh into ``module``'s shards
     (in place) and ``optimizer``'s state; returns the ``state`` saved with it (this
     rank's, or rank 0's when the checkpoint was written by fewer ranks), or ``None``.  A
     collective on a transformed module; on a plain single-device module it needs no
     process group.
+
+    Everything is checked before anything is loaded (see the module's docstring): a
+    PlanError names the file.  ``strict``: the model's tensors and the checkpoint's are the
+    same keys (``strict=False``: a tensor the checkpoint lacks keeps its value, one the
+    model lacks is skipped).  ``check_digests=False``: the files' sizes are checked, their
+    SHA-256 not (a very large checkpoint, read from storage you trust).
 
     Example: ``state = fxshard.load(sharded, fxshard.latest_checkpoint("ckpt"), optimizer=opt)``
     """
@@ -478,41 +613,154 @@ def load(module: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Opti
                         f"{' (its save did not finish on every rank)' if partial else ' (no such folder)'}: it has no "
                         f"{COMMIT_FILE}\n  fix: load fxshard.latest_checkpoint({os.path.dirname(path) or '.'!r}), the newest "
                         f"checkpoint every rank finished")
-    saved = _SafeReader(path).read_metadata().state_dict_metadata
+    commit = _read_commit(path)
+    listed = commit.get("files")
+    reader = _SafeReader(path, listed)
+    saved = reader.read_metadata().state_dict_metadata
     views, names = _views(module)
     on_meta = [k for k, v in views.items() if v.local.is_meta]
     if on_meta:
         raise PlanError(f"fxshard.load: {on_meta[:4]} are on the meta device; call fxshard.materialize(sharded, "
                         f"model, device=..., init=None) first")
     missing = [k for k in views if f"model.{k}" not in saved]
-    if missing:
-        raise PlanError(f"fxshard.load: {path} has no {missing[:8]}; was it saved from this model?")
+    if missing and strict:
+        raise PlanError(f"fxshard.load: {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''}; was it "
+                        f"saved from this model?\n  fix: load the checkpoint of this model; strict=False keeps "
+                        f"their current values")
+    unexpected = sorted(_saved_model_keys(saved) - _model_keys(module, views))
+    if unexpected and strict:
+        raise PlanError(f"fxshard.load: {path} has tensors the model does not: {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}; was it saved from this model (another config, more "
+                        f"layers)?\n  fix: load the checkpoint of this model; strict=False skips them")
     for fqn, v in views.items():
-        md = saved[f"model.{fqn}"]
-        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(v.global_size):
+        md = saved.get(f"model.{fqn}")
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise PlanError(f"fxshard.load: {fqn} is a pickled value in {path}, not a tensor")
+        if tuple(md.size) != tuple(v.global_size):
             raise PlanError(f"fxshard.load: {fqn} has the global shape {tuple(md.size)} in {path}, the model's is "
                             f"{tuple(v.global_size)}")
-    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items()}
+        if md.properties.dtype != v.local.dtype:
+            raise PlanError(f"fxshard.load: {fqn} is {md.properties.dtype} in {path}, the model's is "
+                            f"{v.local.dtype}; fxshard.load does not convert\n  fix: load into the model in "
+                            f"{md.properties.dtype} (model.to(dtype)) and convert it afterwards")
+    device = next((v.local.device for v in views.values()), torch.device("cpu"))
+    state_file = _state_file(path, commit, listed)
+    _check_files(path, listed, check_digests, device)
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in views.items() if f"model.{k}" in saved}
     aliases = _aliases(module)
     if optimizer is not None:
         sd.update(_optimizer_targets(optimizer, views, names, aliases, saved))
     bar = progress(None, f"loading {os.fspath(path)}", show_progress, unit="piece")
     try:
-        dcp.load(sd, checkpoint_id=path, storage_reader=_SafeReader(path), planner=_LoadPlanner(bar, path),
+        dcp.load(sd, checkpoint_id=path, storage_reader=reader, planner=_LoadPlanner(bar, path),
                  no_dist=_single_process())
-    except CheckpointException as e:  # DCP gathers each rank's exception: a refused value is fxshard's error
+    except CheckpointException as e:  # DCP gathers each rank's exception: fxshard's own is the error to show
         refused = next((exc for exc, _ in e.failures.values() if isinstance(exc, PlanError)), None)
-        if refused is None:
-            raise
-        raise refused from None
+        if refused is not None:
+            raise refused from None
+        ranks = sorted(e.failures)
+        exc = e.failures[ranks[0]][0]
+        raise PlanError(f"fxshard.load: reading {path} failed on rank(s) {ranks}: {type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n  fix: is the checkpoint "
+                        f"complete and readable by every rank? copy it again from where it was written") from None
     finally:
         bar.close()
     if optimizer is not None:
         _restore_optimizer(optimizer, names, aliases, sd)
-    for name in (f"state.{_rank()}.pt", "state.0.pt"):
-        if os.path.isfile(os.path.join(path, name)):
-            return _load_plain(os.path.join(path, name), os.path.join(path, name))
-    return None
+    return _load_plain(state_file, state_file) if state_file is not None else None
+
+
+def _read_commit(path: str) -> dict:
+    """The commit file, checked: a dict with the saving world size (and, written by this
+    fxshard, the files with their sizes and digests)."""
+    where = regular_file(os.path.join(path, COMMIT_FILE), what="fxshard.load")
+    try:
+        with open(where) as f:
+            commit = json.load(f)
+    except (ValueError, OSError) as e:
+        raise _damaged(where, f"it is not JSON ({e})") from None
+    world = commit.get("world_size") if isinstance(commit, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise _damaged(where, "it records no world size (a number of ranks)")
+    files = commit.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values())):
+        raise _damaged(where, "its list of files is not the one fxshard.save writes")
+    return commit
+
+
+_STATE_FILE = re.compile(r"state\.(\d+)\.pt")
+
+
+def _state_file(path: str, commit: dict, listed: dict | None) -> str | None:
+    """The ``state.<rank>.pt`` this rank reads (rank 0's beyond the saving world size), or
+    ``None`` if the save had no ``state``; a PlanError naming the ones missing when the
+    save wrote them (each rank its own) and some are not there."""
+    world = commit["world_size"]
+    names = set(listed) if listed is not None else set(os.listdir(path))
+    ranks = {int(m.group(1)) for m in map(_STATE_FILE.fullmatch, names) if m}
+    if not ranks:
+        return None
+    absent = [f"state.{r}.pt" for r in range(world)
+              if r not in ranks or not os.path.lexists(os.path.join(path, f"state.{r}.pt"))]
+    if absent:
+        raise PlanError(f"fxshard.load: {path} was saved by {world} ranks, each with its state file, and "
+                        f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing: a rank would resume with "
+                        f"another's state; nothing was loaded\n  fix: copy the checkpoint again with all its files, "
+                        f"or load an older one")
+    name = f"state.{_rank() if _rank() < world else 0}.pt"
+    return confined_file(path, name, what=f"fxshard.load: {path}")
+
+
+def _check_files(path: str, listed: dict | None, check_digests: bool, device: torch.device) -> None:
+    """Every file the commit file lists is a regular file of its recorded size and (with
+    ``check_digests``) digest; the digests are split over the ranks (every ``world``-th
+    file), a failure on any rank refused on all.  An older checkpoint lists none."""
+    if listed is None:
+        return
+    problem: PlanError | None = None
+    fix = ("; nothing was loaded\n  fix: copy the checkpoint again from where it was written, or load an older one "
+           "(check_digests=False skips the digests, not the sizes)")
+    for i, name in enumerate(sorted(listed)):
+        try:
+            file = confined_file(path, name, what=f"fxshard.load: {os.path.join(path, COMMIT_FILE)} lists")
+        except PlanError as e:
+            problem = problem or e
+            continue
+        want = listed[name]
+        size = os.stat(file).st_size
+        if size != want["size"]:
+            problem = problem or PlanError(f"fxshard.load: {file} has {size} bytes, {want['size']} were written: it "
+                                           f"was truncated or changed after the save{fix}")
+        elif check_digests and want.get(DIGEST) and i % _world_size() == _rank() and file_digest(file) != want[DIGEST]:
+            problem = problem or PlanError(f"fxshard.load: {file} is not the file that was written (its {DIGEST} "
+                                           f"differs from the one in {COMMIT_FILE}): it was changed or damaged after "
+                                           f"the save{fix}")
+    refusing = _ranks_with(problem is not None, device)
+    if problem is not None:
+        raise problem
+    if refusing:
+        raise PlanError(f"fxshard.load: rank(s) {refusing} found a damaged file in {path} (their error names it); "
+                        f"nothing was loaded")
+
+
+def _saved_model_keys(saved) -> set[str]:
+    return {k[len("model."):] for k in saved if k.startswith("model.")}
+
+
+def _model_keys(module: nn.Module, views: dict) -> set[str]:
+    """The persistent tensors of the whole model: a pipeline stage's, with those of the
+    other stages (gathered over the pipeline's ranks)."""
+    keys = set(views)
+    if pipeline_of(module) is not None and not _single_process() and getattr(module, "pp_group", None) is not None:
+        import torch.distributed as dist
+
+        every: list = [None] * dist.get_world_size(module.pp_group)
+        dist.all_gather_object(every, sorted(keys), group=module.pp_group)
+        keys = set().union(*map(set, every))
+    return keys
 
 
 def _aliases(module: nn.Module) -> dict[str, str]:

@@ -17,6 +17,21 @@ memory.  Tied weights are read once (HF saves one name of a tie); values are con
 to the dtype of the model's tensor.  HF's renames and its per-expert stacking (MoE
 checkpoints: ``experts.{e}.w1`` into ``experts.gate_up_proj``) come from HF's own
 conversion table; a stacked tensor is read box by box too, expert by expert.
+
+A checkpoint may come from elsewhere, so nothing is read that it does not check out:
+
+- every file the index's ``weight_map`` names is a regular file inside the directory
+  (:func:`fxshard.state.files.confined_file`: no ``..``, no absolute path, no symlink out of
+  it but the HF hub cache's own into its ``blobs/``);
+- a directory is read one way whatever the mesh: ``model.safetensors`` beside
+  ``model.safetensors.index.json`` is a PlanError (``from_pretrained`` would read the one
+  file, this reader the index);
+- a file safetensors cannot read (truncated, a damaged header) is a PlanError naming it;
+- dtypes (:func:`check_dtype`): a floating tensor of the model is read from F64, F32, F16
+  or BF16 and converted to the model's dtype; where ``config.json`` names the checkpoint's
+  dtype, each stored floating tensor is that dtype or F32 (what HF keeps some modules in).
+  Anything else stored for a floating tensor (an integer or bool relabelling, int8, FP8) is
+  refused, and a non-floating tensor (an integer buffer) must be stored in its own dtype.
 """
 from __future__ import annotations
 
@@ -31,36 +46,122 @@ import torch.fx as fx
 from fxshard.runtime import collectives
 from fxshard.errors import PlanError
 from fxshard.meta import program_meta
+from fxshard.state.files import confined_file, regular_file
 from fxshard.state.module_state import named_state
 from fxshard.state.progress import progress
 from fxshard.state.shards import assemble, runs_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_WHAT = "load_hf_checkpoint"
 
 
 def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
     """``{tensor name: file}`` of an HF checkpoint directory (sharded with an index, or
-    one ``model.safetensors``), or of one ``.safetensors`` file."""
-    from safetensors import safe_open
+    one ``model.safetensors``), or of one ``.safetensors`` file; every file checked to be a
+    regular file inside the directory, and the directory to have one layout (a PlanError
+    names the file otherwise).
 
+    Example: ``checkpoint_files("ckpt")  # {'model.embed_tokens.weight': PosixPath('ckpt/model-00001-of-00002.safetensors'), ...}``
+    """
     path = Path(path)
-    if path.is_file():
-        files = [path]
+    if not path.exists():
+        raise PlanError(f"{_WHAT}: {path} does not exist\n  fix: the directory save_pretrained wrote, or one "
+                        f".safetensors file")
+    if not path.is_dir():
+        files = [Path(regular_file(path, what=_WHAT))]
     elif (path / INDEX).exists():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return {name: path / f for name, f in weight_map.items()}
+        if (path / SINGLE).exists():
+            raise PlanError(f"{_WHAT}: {path} has both {SINGLE} and {INDEX}: one process (from_pretrained) would "
+                            f"read the one file and a mesh (fxshard's reader) the files the index names, maybe other "
+                            f"weights\n  fix: remove the stale one ({path / INDEX} if {SINGLE} is the checkpoint, "
+                            f"else {path / SINGLE})")
+        index = Path(regular_file(path / INDEX, what=_WHAT))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a mapping")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise PlanError(f"{_WHAT}: {index} is not an index of safetensors files ({type(e).__name__}: {e})\n  fix: "
+                            f"write the checkpoint again with save_pretrained") from None
+        resolved: dict[str, Path] = {}
+        out = {}
+        for name, f in weight_map.items():
+            if f not in resolved:
+                resolved[f] = Path(confined_file(path, f, what=f"{_WHAT}: {index} names"))
+            out[name] = resolved[f]
+        return out
     elif (path / SINGLE).exists():
-        files = [path / SINGLE]
+        files = [Path(confined_file(path, SINGLE, what=f"{_WHAT}: {path}:"))]
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = [Path(confined_file(path, f.name, what=f"{_WHAT}: {path}:")) for f in sorted(path.glob("*.safetensors"))]
         if not files:
-            raise FileNotFoundError(f"load_hf_checkpoint: no {INDEX}, {SINGLE} or *.safetensors in {path}")
+            raise PlanError(f"{_WHAT}: no {INDEX}, {SINGLE} or *.safetensors in {path}\n  fix: the directory "
+                            f"save_pretrained wrote (its safetensors files beside config.json)")
     out = {}
     for f in files:
-        with safe_open(f, framework="pt") as st:
+        with _open(f) as st:
             out.update({name: f for name in st.keys()})
     return out
+
+
+def _open(file: Path):
+    """``safe_open(file)``; a file safetensors cannot read (truncated, a damaged header)
+    is a PlanError naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, or an OSError: named with the file
+        raise PlanError(f"{_WHAT}: {file} is not a readable safetensors file ({str(e).strip() or type(e).__name__}); "
+                        f"was it truncated?\n  fix: copy or download the file again") from None
+
+
+_FLOAT_STORED = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_STORED = {**_FLOAT_STORED, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def config_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype ``config.json`` beside the weights says they are stored in
+    (``dtype``, or ``torch_dtype`` of older configs), or ``None``."""
+    path = Path(path)
+    config = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        cfg = json.loads(config.read_text())
+    except (ValueError, OSError, UnicodeDecodeError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def check_dtype(stored: str, want: torch.dtype, *, tensor: str, file, config: torch.dtype | None = None) -> None:
+    """The conversion rule of :func:`load_hf_checkpoint`: ``stored`` (the safetensors
+    header's dtype of ``tensor`` in ``file``) may be read into a tensor of dtype ``want``?
+    A floating ``want`` takes F64/F32/F16/BF16, converted (and where the config names a
+    dtype, the stored one is it or F32); any other ``want`` takes its own dtype only.  A
+    PlanError otherwise.
+
+    Example: ``check_dtype("BF16", torch.float32, tensor="lm_head.weight", file=f)  # converted: fine``
+    """
+    if want.is_floating_point:
+        got = _FLOAT_STORED.get(stored)
+        if got is None:
+            raise PlanError(f"{_WHAT}: {tensor} is stored as {stored} in {file}, and the model's tensor is {want}: "
+                            f"integer, bool, int8 and FP8 bytes are not read as floats (they would be a relabelling "
+                            f"or a quantized checkpoint, converted silently into other numbers)\n  fix: load a "
+                            f"checkpoint with floating weights (F32, BF16, F16), or dequantize it with the library "
+                            f"that wrote it")
+        if config is not None and got not in (config, torch.float32):
+            raise PlanError(f"{_WHAT}: {tensor} is stored as {stored} in {file}, but its config.json says the "
+                            f"weights are {config}: the header was relabelled or the config belongs to another "
+                            f"checkpoint\n  fix: use the config.json the weights were saved with")
+    elif _STORED.get(stored) != want:
+        raise PlanError(f"{_WHAT}: {tensor} is stored as {stored} in {file}, the model's tensor is {want}: a "
+                        f"non-floating tensor is read only in its own dtype\n  fix: is it this model's checkpoint?")
 
 
 @dataclass
@@ -210,8 +311,6 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
     ``show_progress``: a progress bar (default: on rank 0 of an interactive run)."""
     import contextlib
 
-    from safetensors import safe_open
-
     if program_meta(sharded).state is None:
         raise PlanError("load_hf_checkpoint: this GraphModule was not produced by fxshard.transform")
     mesh = collectives.bound_mesh()
@@ -231,10 +330,18 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
 
         def open_file(f: Path):
             if f not in handles:
-                handles[f] = stack.enter_context(safe_open(f, framework="pt"))
+                handles[f] = stack.enter_context(_open(f))
             return handles[f]
 
-        shapes = {name: tuple(open_file(f).get_slice(name).get_shape()) for name, f in files.items()}
+        shapes, dtypes = {}, {}
+        for name, f in files.items():
+            try:
+                piece = open_file(f).get_slice(name)
+            except Exception as e:  # noqa: BLE001 - the index names a tensor the file lacks
+                raise PlanError(f"{_WHAT}: {path}'s index puts {name} in {f}, which has no such tensor ({e})\n  fix: "
+                                f"write the checkpoint again with save_pretrained") from None
+            shapes[name], dtypes[name] = tuple(piece.get_shape()), piece.get_dtype()
+        config = config_dtype(path)
         sources = checkpoint_sources(sharded, files, shapes, model)
         unexpected = [fqn for fqn in sources if fqn not in local]
         if strict and unexpected:
@@ -252,6 +359,8 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
                         raise PlanError(f"load_hf_checkpoint: {fqn} has shape {tuple(source.shape)} in the checkpoint, "
                                         f"the model's is {tuple(want)}; is it the checkpoint of this config?")
                     target = t.to_local() if hasattr(t, "to_local") else t
+                    for leaf in _leaves(source):
+                        check_dtype(dtypes[leaf.name], target.dtype, tensor=leaf.name, file=leaf.file, config=config)
                     assemble(runs_of(sharded, fqn, mesh, t),
                              lambda box: read_box(source, box.glob, open_file).to(target.dtype), target.data)
                     loaded.add(id(t))
@@ -263,6 +372,10 @@ def load_hf_checkpoint(sharded: fx.GraphModule, path: str | os.PathLike, *, mode
     if strict and missing:
         raise PlanError(f"load_hf_checkpoint: the checkpoint lacks {missing[:8]}{' ...' if len(missing) > 8 else ''}"
                         f"\n  fix: is it this model's checkpoint? strict=False keeps their current values")
+
+
+def _leaves(source: Source) -> list[Leaf]:
+    return [source] if isinstance(source, Leaf) else [leaf for p in source.parts for leaf in _leaves(p)]
 
 
 def _first_file(source: Source) -> Path:

@@ -9,13 +9,17 @@ Four steps, each one object::
 
 - **Files** (:func:`resolve_files`): ``.txt`` (a file is one document), ``.jsonl`` / ``.json``
   and ``.parquet`` (a record's text field is one document); files, directories or globs.
-  They are read with ``datasets.load_dataset`` into Arrow (memory-mapped), so a corpus
-  larger than memory is never held whole.
+  A ``.txt`` file is read with ``datasets.load_dataset`` (Arrow, memory-mapped); ``.jsonl``
+  records are read a line at a time and parquet files a batch of the one column at a time,
+  only the text field of each record: records with other fields besides it are fine, and
+  a corpus larger than memory is never held whole (a ``.json`` array is read whole).
 - **Tokens** (:func:`tokenize_files`): each document tokenized without special tokens and
   followed by the EOS token, written once to a flat file of uint16 (uint32 when the
-  vocabulary needs it) in the cache directory, keyed by the files' paths, sizes and mtimes,
-  the tokenizer and the text field. Under torch.distributed global rank 0 writes it and
-  the others wait.
+  vocabulary needs it) in the cache directory, keyed by the files' paths and content
+  digests (blake2b, read streaming), the tokenizer and the text field. A cache entry is
+  checked before use (its dtype one the writer writes, its length, its own digest); one
+  that fails is built again, never read. Under torch.distributed global rank 0 hashes,
+  checks and writes it and the others wait for the name it sends.
 - **Windows** (:class:`PackedTokens`): window ``i`` is tokens ``[i*seq, i*seq + seq + 1)``;
   the labels are pre-shifted (``input_ids = w[:-1]``, ``labels = w[1:]``), so the loss is
   the cross-entropy of the logits at t against the labels at t.
@@ -42,17 +46,22 @@ import torch
 
 from fxshard.trainer.errors import TrainerError
 
-__all__ = ["DEFAULT_CACHE_DIR", "EXTENSIONS", "EOS_TOKEN", "load_tokenizer", "byte_level_tokenizer", "eos_token_id",
-           "resolve_files", "tokenize_files", "TokenFile", "PackedTokens", "TextBatches", "eval_batches"]
+__all__ = ["DEFAULT_CACHE_DIR", "EXTENSIONS", "EOS_TOKEN", "TOKEN_DTYPES", "load_tokenizer", "byte_level_tokenizer",
+           "eos_token_id", "resolve_files", "tokenize_files", "file_digest", "TokenFile", "PackedTokens", "TextBatches",
+           "eval_batches"]
 
 DEFAULT_CACHE_DIR = "~/.cache/fxshard/tokens"
 EOS_TOKEN = "<|endoftext|>"
-# extension -> the datasets builder that reads it
+# extension -> the kind of file: "text" (datasets' text builder, a file is a document) or records
 EXTENSIONS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # files a checkpoint's tokenizer is saved as (any one is enough for AutoTokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # bump when the token file's layout or the tokenization rules change: old caches are then not reused
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+# the dtypes a token file may hold: what _build writes (uint16, uint32) and plain integer ids; any
+# other name in a sidecar (say "object", which would read file bytes as object pointers) is refused
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+HASH_CHUNK = 1 << 20  # bytes read at a time when hashing a file
 # a .txt document is tokenized in pieces of about this many characters, cut where a cut
 # changes no token (_safe_cut), and pieces are encoded this many characters at a time
 # (one batch call: the Rust tokenizer spreads it over the cores)
@@ -112,7 +121,7 @@ def load_tokenizer(model_dir: str | os.PathLike | None, vocab_size: int):
     if model_dir is not None and any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         from transformers import AutoTokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - a broken checkpoint is the user's input
             raise TrainerError(f"the tokenizer in {model_dir} does not load: {type(e).__name__}: {e}\n"
                                f"  fix: repair or remove its tokenizer files") from e
@@ -213,20 +222,59 @@ class TokenFile:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "TokenFile":
-        """The token file at ``path`` (its ``.json`` sidecar says the rest)."""
+        """The token file at ``path``, its ``.json`` sidecar checked (a dtype of
+        :data:`TOKEN_DTYPES`, a count that is the file's length); a TrainerError naming the
+        file otherwise, so a tampered or truncated cache is never read."""
         path = Path(path)
-        meta = json.loads(path.with_suffix(".json").read_text())
+        problem, meta = _sidecar_problem(path)
+        if problem:
+            raise TrainerError(f"token file {path}: {problem}\n  fix: delete it and its .json (the trainer "
+                               f"tokenizes the text again), or point --data-cache at another directory")
         return cls(path, meta["dtype"], meta["num_tokens"], meta["digest"], meta["key"])
+
+
+def _sidecar_problem(bin_path: Path, key: str | None = None) -> tuple[str | None, dict]:
+    """What is wrong with a token file and its sidecar (``None``: nothing), and the sidecar.
+
+    Checked without reading the tokens: the sidecar is JSON with the fields the writer writes,
+    its dtype one of :data:`TOKEN_DTYPES` (a name numpy would read as anything else, say
+    ``object``, is never handed to it), its count a non-negative int that times the dtype's
+    size is the file's length, and (``key``) the key it was built under."""
+    meta_path = bin_path.with_suffix(".json")
+    if not bin_path.is_file() or not meta_path.is_file():
+        return "missing (or not a regular file)", {}
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"its sidecar {meta_path.name} does not read as JSON ({e})", {}
+    if not isinstance(meta, dict):
+        return f"its sidecar {meta_path.name} is not a JSON object", {}
+    dtype, count = meta.get("dtype"), meta.get("num_tokens")
+    if dtype not in TOKEN_DTYPES:
+        return f"its sidecar says dtype {dtype!r}; a token file holds {', '.join(TOKEN_DTYPES)}", meta
+    if type(count) is not int or count < 0:
+        return f"its sidecar's num_tokens {count!r} is not a count", meta
+    if not isinstance(meta.get("digest"), str) or not isinstance(meta.get("key"), str):
+        return "its sidecar has no digest or key", meta
+    if key is not None and meta["key"] != key:
+        return f"its sidecar was written for key {meta['key']!r}, not {key!r}", meta
+    size, want = bin_path.stat().st_size, count * np.dtype(dtype).itemsize
+    if size != want:
+        return f"{size} bytes where its sidecar's {count} {dtype} tokens take {want} (truncated or changed)", meta
+    return None, meta
 
 
 def tokenize_files(files, tokenizer, *, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
                    text_field: str = "text") -> TokenFile:
     """The tokens of ``files`` (see :func:`resolve_files`), each document followed by EOS, in
-    a token file under ``cache_dir``; built once, then reused while the files (paths, sizes,
-    mtimes), the tokenizer and ``text_field`` stay the same.
+    a token file under ``cache_dir``; built once, then reused while the files (their paths and
+    contents: a blake2b digest of each, so a text changed with its mtime kept is seen), the
+    tokenizer and ``text_field`` stay the same. A cache entry that does not check out (its
+    sidecar's dtype or count, its length, its own content digest) is built again.
 
-    Under torch.distributed global rank 0 builds it and the other ranks wait at a barrier,
-    so ``cache_dir`` must be a directory every rank sees.
+    Under torch.distributed global rank 0 hashes the files and builds (or checks) the token
+    file while the other ranks wait for its key, so ``cache_dir`` must be a directory every
+    rank sees.
 
     Example::
 
@@ -236,50 +284,81 @@ def tokenize_files(files, tokenizer, *, cache_dir: str | os.PathLike = DEFAULT_C
     files = resolve_files(files)
     eos = eos_token_id(tokenizer)
     cache = Path(cache_dir).expanduser()
-    key = _cache_key(files, tokenizer, text_field)
-    bin_path = cache / f"{key}.bin"
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_rank() == 0:
-        failure = None
+        failure, key = None, None
         try:
-            if not _finished(bin_path):
+            sources = [_source_record(f) for f in files]
+            key = _cache_key(files, tokenizer, text_field, [s["blake2b"] for s in sources])
+            bin_path = cache / f"{key}.bin"
+            if not _reusable(bin_path, key):
                 cache.mkdir(parents=True, exist_ok=True)
-                _build(files, tokenizer, eos, text_field, cache, bin_path, key)
-        except BaseException as e:  # the other ranks are at the barrier: let them pass, then fail here
-            failure = e
+                _build(files, tokenizer, eos, text_field, cache, bin_path, key, sources)
+        except BaseException as e:  # the other ranks wait for the key: send them none, then fail here
+            failure, key = e, None
         if distributed:
-            torch.distributed.barrier()
+            torch.distributed.broadcast_object_list([key], src=0)
         if failure is not None:
             raise failure
     else:
-        torch.distributed.barrier()
-        if not _finished(bin_path):
-            raise TrainerError(f"rank 0 did not leave the token file {bin_path} (its error says why, or "
-                               f"{cache} is not a directory this rank sees)\n"
+        sent = [None]
+        torch.distributed.broadcast_object_list(sent, src=0)
+        key = sent[0]
+        if key is None or _sidecar_problem(cache / f"{key}.bin", key)[0]:
+            raise TrainerError(f"rank 0 did not leave the token file {cache / f'{key}.bin' if key else 'it was to build'} "
+                               f"(its error says why, or {cache} is not a directory this rank sees)\n"
                                f"  fix: a --data-cache on a filesystem all ranks share")
-    return TokenFile.open(bin_path)
+    return TokenFile.open(cache / f"{key}.bin")
 
 
-def _cache_key(files: list[Path], tokenizer, text_field: str) -> str:
+def file_digest(path: str | os.PathLike) -> str:
+    """The blake2b digest (hex, 32 characters) of a file's bytes, read streaming.
+
+    Example::
+
+        file_digest("examples/data/genesis.txt")   # 'a3f0...': changes when any byte does
+    """
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_record(file: Path) -> dict:
+    """What the sidecar records of a data file: its path, size, mtime and content digest."""
+    stat = file.stat()
+    return {"path": str(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "blake2b": file_digest(file)}
+
+
+def _cache_key(files: list[Path], tokenizer, text_field: str, digests: Sequence[str]) -> str:
+    """The cache entry's name: the files' paths and content digests, the tokenizer and the text field."""
     h = hashlib.sha256(f"fxshard tokens v{CACHE_FORMAT}\n{text_field}\n".encode())
-    for file in files:
-        stat = file.stat()
-        h.update(f"{file}\n{stat.st_size}\n{stat.st_mtime_ns}\n".encode())
+    for file, digest in zip(files, digests, strict=True):
+        h.update(f"{file}\n{digest}\n".encode())
     h.update(_tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()[:24]
 
 
-def _finished(bin_path: Path) -> bool:
-    """The sidecar is renamed into place last: it exists only for a completed build."""
-    meta = bin_path.with_suffix(".json")
-    if not (meta.is_file() and bin_path.is_file()):
-        return False
-    info = json.loads(meta.read_text())
-    return bin_path.stat().st_size == info["num_tokens"] * np.dtype(info["dtype"]).itemsize
+def _token_digest(bin_path: Path, dtype: str) -> str:
+    """The content digest of a token file, as :func:`_build` computes it while writing."""
+    h = hashlib.sha256(np.dtype(dtype).str.encode())
+    with open(bin_path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
-def _build(files, tokenizer, eos, text_field, cache: Path, bin_path: Path, key: str) -> None:
+def _reusable(bin_path: Path, key: str) -> bool:
+    """A finished entry for ``key`` that checks out: the sidecar (renamed into place last, so it
+    exists only for a completed build) and the file's length, then the tokens' own digest (a
+    changed byte in the token file is a rebuild, not a silently different run)."""
+    problem, meta = _sidecar_problem(bin_path, key)
+    return problem is None and _token_digest(bin_path, meta["dtype"]) == meta["digest"]
+
+
+def _build(files, tokenizer, eos, text_field, cache: Path, bin_path: Path, key: str, sources: list[dict]) -> None:
     """Tokenize every document into a temporary file, then rename it (and its sidecar) into place."""
     import datasets
 
@@ -289,12 +368,13 @@ def _build(files, tokenizer, eos, text_field, cache: Path, bin_path: Path, key: 
     num_tokens = 0
     try:
         with open(tmp / "tokens.bin", "wb") as out, _quiet_datasets():
-            for kind, group in _groups(files):
-                ds = datasets.load_dataset(kind, data_files=[str(f) for f in group], split="train",
-                                           cache_dir=str(tmp / "arrow"),
-                                           **({"keep_linebreaks": True} if kind == "text" else {}))
-                batches = _text_file_tokens(ds, tokenizer, eos) if kind == "text" else \
-                    _record_tokens(ds, text_field, group, tokenizer, eos)
+            for file in files:
+                if EXTENSIONS[file.suffix] == "text":
+                    ds = datasets.load_dataset("text", data_files=[str(file)], split="train",
+                                               cache_dir=str(tmp / "arrow"), keep_linebreaks=True)
+                    batches = _text_file_tokens(ds, tokenizer, eos)
+                else:
+                    batches = _record_tokens(file, text_field, tokenizer, eos)
                 for sequences in batches:
                     if not sequences:  # a batch of empty records
                         continue
@@ -304,7 +384,7 @@ def _build(files, tokenizer, eos, text_field, cache: Path, bin_path: Path, key: 
                     num_tokens += block.size
         os.replace(tmp / "tokens.bin", bin_path)
         meta = dict(dtype=dtype.name, num_tokens=num_tokens, digest=content.hexdigest()[:16], key=key,
-                    text_field=text_field, files=[str(f) for f in files])
+                    text_field=text_field, files=sources)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.replace(tmp / "meta.json", bin_path.with_suffix(".json"))
     finally:
@@ -332,21 +412,6 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def _groups(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
-    """Consecutive json (or parquet) files load together: a record is a document wherever it
-    is. A .txt file loads alone: the file is the document, and datasets' rows (lines) do not
-    say which file they came from."""
-    group: list[Path] = []
-    for file in files:
-        kind = EXTENSIONS[file.suffix]
-        if group and (kind == "text" or EXTENSIONS[group[0].suffix] != kind):
-            yield EXTENSIONS[group[0].suffix], group
-            group = []
-        group.append(file)
-    if group:
-        yield EXTENSIONS[group[0].suffix], group
-
-
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Each text's ids, no special tokens added; one batch call."""
     if not texts:
@@ -354,20 +419,77 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
 
 
-def _record_tokens(ds, text_field: str, group: list[Path], tokenizer, eos: int) -> Iterator[list[list[int]]]:
-    """The ids of json/parquet records, a batch of id lists at a time: each record's text field, then EOS."""
-    if text_field not in ds.column_names:
-        raise TrainerError(f"{', '.join(map(str, group))}: the records have no field {text_field!r} "
-                           f"(their fields: {', '.join(ds.column_names)})\n"
+RECORD_BATCH = 1024  # records encoded per tokenizer call
+
+
+def _records(file: Path, text_field: str) -> Iterator[tuple[str, Any]]:
+    """``(where, text)`` of each record of a .jsonl / .json / .parquet file: only the text
+    field is read, so records may carry any other fields (and differ in them).
+
+    ``.jsonl`` (and a ``.json`` that is not an array) a line at a time; a ``.json`` array
+    whole; parquet a batch of the one column at a time."""
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(file)
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise TrainerError(f"{file}: the records have no field {text_field!r} (their fields: {', '.join(names)})\n"
+                               f"  fix: --text-field with the field that holds the text")
+        row = 0
+        for batch in pf.iter_batches(batch_size=RECORD_BATCH, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield f"{file} row {row}", text
+        return
+    try:
+        with open(file, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+            f.seek(0)
+            if file.suffix == ".json" and head.startswith("["):
+                try:
+                    records = json.load(f)
+                except ValueError as e:
+                    raise TrainerError(f"{file}: not JSON ({e})\n  fix: an array of records, or one record a line") from None
+                for i, record in enumerate(records):
+                    yield f"{file} record {i + 1}", _field(record, text_field, f"{file} record {i + 1}")
+                return
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise TrainerError(f"{file} line {number}: not JSON ({e})\n  fix: one JSON record a line") from None
+                yield f"{file} line {number}", _field(record, text_field, f"{file} line {number}")
+    except UnicodeDecodeError as e:
+        raise TrainerError(f"{file}: not UTF-8 text ({e})\n  fix: save it as UTF-8") from None
+
+
+def _field(record, text_field: str, where: str):
+    if not isinstance(record, dict):
+        raise TrainerError(f"{where}: a {type(record).__name__}, not a record (a JSON object)\n"
+                           f"  fix: one JSON object a record, its text in --text-field")
+    if text_field not in record:
+        raise TrainerError(f"{where}: the record has no field {text_field!r} (its fields: {', '.join(record)})\n"
                            f"  fix: --text-field with the field that holds the text")
-    for batch in ds.iter(batch_size=1024):
-        texts = batch[text_field]
-        for text in texts:
-            if not isinstance(text, str):
-                raise TrainerError(f"{', '.join(map(str, group))}: a record's {text_field!r} is "
-                                   f"{type(text).__name__}, not text\n  fix: --text-field with a text field")
-        docs = _encode(tokenizer, [text for text in texts if text])  # an empty record is no document
-        yield [ids for doc in docs for ids in (doc, [eos])]
+    return record[text_field]
+
+
+def _record_tokens(file: Path, text_field: str, tokenizer, eos: int) -> Iterator[list[list[int]]]:
+    """The ids of a json/parquet file's records, a batch of id lists at a time: each record's
+    text field, then EOS (an empty text is no document)."""
+    texts: list[str] = []
+    for where, text in _records(file, text_field):
+        if not isinstance(text, str):
+            raise TrainerError(f"{where}: the record's {text_field!r} is {type(text).__name__}, not text\n"
+                               f"  fix: --text-field with a text field")
+        if text:
+            texts.append(text)
+        if len(texts) == RECORD_BATCH:
+            yield [ids for doc in _encode(tokenizer, texts) for ids in (doc, [eos])]
+            texts = []
+    yield [ids for doc in _encode(tokenizer, texts) for ids in (doc, [eos])]
 
 
 def _text_file_tokens(ds, tokenizer, eos: int) -> Iterator[list[list[int]]]:
@@ -424,6 +546,11 @@ class PackedTokens:
         self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile.open(token_file)
         self.seq_len = int(seq_len)
         self.num_tokens = self.token_file.num_tokens
+        tf = self.token_file
+        if tf.dtype not in TOKEN_DTYPES or tf.path.stat().st_size != tf.num_tokens * np.dtype(tf.dtype).itemsize:
+            raise TrainerError(f"token file {tf.path}: {tf.num_tokens} tokens of {tf.dtype!r} do not match the file "
+                               f"({tf.path.stat().st_size} bytes; a token file holds {', '.join(TOKEN_DTYPES)})\n"
+                               f"  fix: TokenFile.open(path) or tokenize_files, which check the file")
         if self.seq_len < 1 or self.num_tokens < self.seq_len + 1:
             raise TrainerError(f"the data has {self.num_tokens} tokens, fewer than one window of "
                                f"seq_len {self.seq_len} + 1\n  fix: more text, or a shorter --seq-len")

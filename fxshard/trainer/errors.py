@@ -6,7 +6,8 @@ class TrainerError(Exception):
     """A trainer input that cannot be used (a flag, a file, a mesh for this model).
 
     The message names what was given, what is accepted and the fix; ``python -m fxshard
-    train`` prints it and exits with status 2.
+    train`` prints it and exits with status 2 (under torchrun once: rank 0 before the
+    processes meet, else the first rank that failed; ``fxshard.cli.train.run_train``).
 
     Example::
 

@@ -234,8 +234,10 @@ def test_token_file_is_built_once_and_reused(tmp_path, monkeypatch, chapters, by
     changed = tokenize_files(f, byte_tok, cache_dir=cache)
     assert changed.key != tf.key and changed.digest != tf.digest
     # another tokenizer or text field: another key
-    assert data._cache_key([f], train_byte_level_bpe([f], 300), "text") != changed.key
-    assert data._cache_key([f], byte_tok, "body") != changed.key
+    digests = [data.file_digest(f)]
+    assert data._cache_key([f], byte_tok, "text", digests) == changed.key
+    assert data._cache_key([f], train_byte_level_bpe([f], 300), "text", digests) != changed.key
+    assert data._cache_key([f], byte_tok, "body", digests) != changed.key
 
 
 def test_a_failed_build_leaves_nothing_that_looks_finished(tmp_path, monkeypatch, chapters, byte_tok):
@@ -360,3 +362,119 @@ def test_bad_inputs_are_trainer_errors_that_say_the_fix(tmp_path, monkeypatch, b
     # resuming on other data (here: other windows of the same tokens)
     other = PackedTokens(genesis_tokens.token_file, seq_len=32)
     raises("other data", TextBatches(other, 8).load_state_dict, TextBatches(genesis_tokens, 8).state_dict())
+
+
+# ----------------------------------------------------------------------------- the cache, tampered with
+
+def _built(monkeypatch) -> list[int]:
+    """Counts the builds of the token file from now on."""
+    builds, real = [], data._build
+    monkeypatch.setattr(data, "_build", lambda *a, **k: builds.append(1) or real(*a, **k))
+    return builds
+
+
+def test_text_changed_with_its_mtime_kept_is_tokenized_again(tmp_path, monkeypatch, chapters, byte_tok):
+    """``cp -p`` / ``rsync -t`` / tar: same size, same mtime, other bytes. The content digest sees it."""
+    f = write_text(tmp_path / "book.txt", chapters[0])
+    cache = tmp_path / "cache"
+    first = tokenize_files(f, byte_tok, cache_dir=cache)
+    stat = f.stat()
+    swapped = chapters[0].replace("God", "Dog")  # the same length
+    assert len(swapped) == len(chapters[0]) and swapped != chapters[0]
+    write_text(f, swapped)
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    builds = _built(monkeypatch)
+    again = tokenize_files(f, byte_tok, cache_dir=cache)
+    assert builds == [1] and again.key != first.key and again.digest != first.digest
+    assert tokens_of(again) == ids_of(byte_tok, swapped) + [byte_tok.eos_token_id]
+    assert tokenize_files(f, byte_tok, cache_dir=cache) == again and builds == [1], "an unchanged file is reused"
+    assert json.loads(again.path.with_suffix(".json").read_text())["files"][0]["blake2b"] == data.file_digest(f)
+
+
+@pytest.mark.parametrize("tamper", ["object dtype", "float dtype", "count as text", "sidecar not json",
+                                    "truncated tokens", "flipped token byte", "sidecar of another key"])
+def test_a_tampered_cache_entry_is_built_again_never_read(tmp_path, monkeypatch, chapters, byte_tok, tamper):
+    """A sidecar saying ``"dtype": "object"`` once made numpy read file bytes as object pointers
+    (a segfault). Every tampering is caught before a byte is read as tokens: the entry is built
+    again, and opening it directly is a TrainerError naming the file."""
+    f = write_text(tmp_path / "book.txt", "".join(chapters[:2]))
+    cache = tmp_path / "cache"
+    good = tokenize_files(f, byte_tok, cache_dir=cache)
+    want = tokens_of(good)
+    meta_path = good.path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    if tamper == "object dtype":
+        meta["dtype"] = "object"
+    elif tamper == "float dtype":
+        meta["dtype"] = "float64"
+    elif tamper == "count as text":
+        meta["num_tokens"] = str(meta["num_tokens"])
+    elif tamper == "sidecar of another key":
+        meta["key"] = "0" * 24
+    if tamper == "sidecar not json":
+        meta_path.write_text('{"dtype": "uint16", ')
+    else:
+        meta_path.write_text(json.dumps(meta))
+    raw = good.path.read_bytes()
+    if tamper == "truncated tokens":
+        good.path.write_bytes(raw[:-2])
+    elif tamper == "flipped token byte":
+        good.path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
+    if tamper not in ("flipped token byte", "sidecar of another key"):  # sound as a file: the cache's checks tell
+        with pytest.raises(TrainerError, match=f"token file {good.path}.*\n  fix:"):
+            TokenFile.open(good.path)
+    builds = _built(monkeypatch)
+    again = tokenize_files(f, byte_tok, cache_dir=cache)
+    assert builds == [1], f"{tamper}: the entry was reused"
+    assert again == good and tokens_of(again) == want
+    assert sorted(p.name for p in cache.iterdir()) == [f"{good.key}.bin", f"{good.key}.json"]
+
+
+def test_a_token_file_of_another_dtype_is_refused_by_packed_tokens(tmp_path, chapters, byte_tok):
+    f = write_text(tmp_path / "book.txt", chapters[0])
+    tf = tokenize_files(f, byte_tok, cache_dir=tmp_path / "cache")
+    import dataclasses
+
+    with pytest.raises(TrainerError, match="'object' do not match the file"):
+        PackedTokens(dataclasses.replace(tf, dtype="object"), seq_len=16)
+    with pytest.raises(TrainerError, match="do not match the file"):
+        PackedTokens(dataclasses.replace(tf, num_tokens=tf.num_tokens + 1), seq_len=16)
+
+
+# ----------------------------------------------------------------------------- records: only the text field
+
+def test_records_with_other_fields_that_differ_are_read_by_their_text_field(tmp_path, chapters, bpe):
+    """A new user's corpus: .jsonl records with extra fields that differ from record to record
+    and from file to file (datasets said KeyError: 'source' and CastError), parquet files whose
+    other columns differ, a .json array: only --text-field is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = chapters[:8]
+    (tmp_path / "a.jsonl").write_text("\n".join([
+        json.dumps({"body": docs[0], "source": "web"}),
+        json.dumps({"id": 7, "body": docs[1], "meta": {"lang": "en"}}),
+        "",  # a blank line is no record
+        json.dumps({"body": docs[2], "source": ["a", 1], "score": 0.5})]) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"body": docs[3], "n": "x"}) + "\n" + json.dumps({"body": docs[4]}) + "\n")
+    pq.write_table(pa.table({"body": [docs[5]], "n": [1]}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"other": [2.0], "body": [docs[6]]}), tmp_path / "d.parquet")
+    (tmp_path / "e.json").write_text(json.dumps([{"body": docs[7], "x": 1}, {"body": "", "y": [2]}]))
+    files = [tmp_path / n for n in ("a.jsonl", "b.jsonl", "c.parquet", "d.parquet", "e.json")]
+    tf = tokenize_files(files, bpe, cache_dir=tmp_path / "cache", text_field="body")
+    assert tokens_of(tf) == [i for d in docs for i in ids_of(bpe, d) + [bpe.eos_token_id]]
+
+
+def test_a_record_without_the_text_field_is_named_by_file_and_line(tmp_path, bpe):
+    bad = tmp_path / "mixed.jsonl"
+    bad.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"title": "b", "source": "c"}) + "\n")
+    with pytest.raises(TrainerError, match=f"{bad} line 2: the record has no field 'text' \\(its fields: title, source\\)"):
+        tokenize_files(bad, bpe, cache_dir=tmp_path / "c")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(TrainerError, match=f"{broken} line 2: not JSON"):
+        tokenize_files(broken, bpe, cache_dir=tmp_path / "c")
+    (tmp_path / "list.jsonl").write_text('["text"]\n')
+    with pytest.raises(TrainerError, match="line 1: a list, not a record"):
+        tokenize_files(tmp_path / "list.jsonl", bpe, cache_dir=tmp_path / "c")

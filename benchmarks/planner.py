@@ -1,13 +1,13 @@
-"""How long ``fxshard.plan_parallelism`` takes on Llama-3-8B and -70B, and what it picks.
+"""How long ``fxshard.plan_parallelism`` takes on Llama-3-8B, -70B and 3.1-405B, and what it picks.
 
 Each model is planned from its ``config.json`` alone (written here from the published
-configuration, vocab 128256) on the meta device, on 64 ranks of 80 GiB (H100 constants),
+configuration, vocab 128256) on the meta device, on 64 ranks of 80 GiB (405B: 512; H100 constants),
 in a fresh process: ``cold`` is the first call (it imports transformers' Llama code and
 exports the first block), ``warm`` a second call in the same process (a new plan, the
 imports done).  The best entries are printed, and the meshes torchtitan publishes for the
 model beside them (evaluated with ``candidates=``; docs/planning.md discusses them).
 
-    python benchmarks/planner.py                      # 8B and 70B
+    python benchmarks/planner.py                      # 8B, 70B and 405B
     python benchmarks/planner.py --sizes 70B --top 8
 """
 from __future__ import annotations
@@ -26,7 +26,10 @@ from common import describe_machine, fmt_bytes, table, write_json  # noqa: E402
 LLAMA_3 = {  # the published configs
     "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
     "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "405B": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                 num_key_value_heads=8),
 }
+WORLD = {"8B": 64, "70B": 64, "405B": 512}  # ranks per model (--world overrides)
 # global batch (rows of 8192 tokens) and torchtitan's published meshes for each (docs/planning.md):
 # 8B: FSDP over all ranks (docs/performance.md, 64 A100s, local batch 1..2); 70B: FSDP over all ranks with full
 # recomputation (docs/performance.md, 64 A100s, local batch 1), and FSDP x TP 8 with full recomputation
@@ -34,6 +37,8 @@ LLAMA_3 = {  # the published configs
 RUNS = {
     "8B": (128, [{"dp": 64}, {"dp": 64, "activation_checkpointing": True}]),
     "70B": (64, [{"dp": 64, "activation_checkpointing": True}, {"dp": 8, "tp": 8, "activation_checkpointing": True}]),
+    # torchtitan's 405B runs: FSDP x TP 8 (its benchmarks/llama3_h100_202412_torchtitan.md), full recomputation
+    "405B": (256, [{"dp": 64, "tp": 8, "activation_checkpointing": True}]),
 }
 
 
@@ -54,9 +59,10 @@ def plan_once(path: str, world: int, memory: float, seq: int, batch: int, device
 
     out = {}
     for phase in ("cold", "warm"):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         entries = plan_parallelism(path, world, memory_gib=memory, seq=seq, global_batch=batch, device=device)
         out[phase] = time.perf_counter() - t0
+        out[phase + "_cpu"] = time.process_time() - c0  # the process's CPU seconds: what a loaded machine's wall hides
     out["candidates"] = len(entries)
     out["fit"] = sum(e.fits for e in entries)
     out["best"] = [_row(e, "planner") for e in entries if e.fits][:12]
@@ -70,16 +76,16 @@ def plan_once(path: str, world: int, memory: float, seq: int, batch: int, device
 
 
 def _row(e, source: str) -> dict:
-    return {"source": source, "mesh": e.mesh_spec, "M": e.microbatches, "schedule": e.schedule or "-",
-            "AC": "full" if e.activation_checkpointing else "-", "params": fmt_bytes(e.memory.get("params", 0)),
+    return {"source": source, "mesh": e.mesh_spec, "accum": e.accum, "M": e.microbatches, "schedule": e.schedule or "-",
+            "AC": e.activation_checkpointing if e.activation_checkpointing != "none" else "-", "params": fmt_bytes(e.memory.get("params", 0)),
             "activations": fmt_bytes(e.memory.get("activations", 0)), "total": fmt_bytes(e.memory.get("total", 0)),
             "step_s": e.step_time_s, "tokens_s": e.tokens_per_s, "reason": e.reason or ""}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="8B,70B")
-    ap.add_argument("--world", type=int, default=64)
+    ap.add_argument("--sizes", default="8B,70B,405B")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: 64; 405B: 512)")
     ap.add_argument("--memory", type=float, default=80.0)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--device", default="h100")
@@ -94,14 +100,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for size in a.sizes.split(","):
             batch, compare = RUNS[size]
+            world = a.world or WORLD[size]
             path = config_dir(size, root)
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                r = pool.submit(plan_once, path, a.world, a.memory, a.seq, batch, a.device, compare).result()
+                r = pool.submit(plan_once, path, world, a.memory, a.seq, batch, a.device, compare).result()
             results[size] = r
-            print(f"\nLlama-3-{size} on {a.world} x {a.memory:g} GiB ({a.device}), seq {a.seq}, global batch {batch}: "
-                  f"planned in {r['cold']:.1f} s cold, {r['warm']:.1f} s warm (peak resident {r['peak_rss_mib']:.0f} MiB); "
+            print(f"\nLlama-3-{size} on {world} x {a.memory:g} GiB ({a.device}), seq {a.seq}, global batch {batch}: "
+                  f"planned in {r['cold']:.1f} s cold, {r['warm']:.1f} s warm (CPU {r['cold_cpu']:.1f} s and "
+                  f"{r['warm_cpu']:.1f} s; peak resident {r['peak_rss_mib']:.0f} MiB); "
                   f"{r['fit']} of {r['candidates']} fit")
-            cols = [("source", "", ""), ("mesh", "mesh", ""), ("M", "M", ""), ("schedule", "schedule", ""), ("AC", "AC", ""),
+            cols = [("source", "", ""), ("mesh", "mesh", ""), ("accum", "accum", ""), ("M", "M", ""), ("schedule", "schedule", ""), ("AC", "AC", ""),
                     ("params", "params", ""), ("activations", "activations", ""), ("total", "total", ""),
                     ("step_s", "step s", ".2f"), ("tokens_s", "tokens/s/GPU", ",.0f"), ("reason", "", "")]
             print(table(r["best"][:a.top] + r["published"], cols))

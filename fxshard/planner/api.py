@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard.debug.comm_summary import fmt_bytes
-from fxshard.errors import PlanError
-from fxshard.planner.calibration import Calibration, default_calibration
-from fxshard.planner.candidates import Candidate, candidate_from, divisibility, enumerate_candidates
+from fxshard.errors import InternalError, PlanError
+from fxshard.planner.calibration import Calibration, default_calibration, rank_memory_gib
+from fxshard.planner.candidates import Candidate, accum_choices, candidate_from, divisibility, enumerate_candidates
 from fxshard.planner.estimate import MEMORY_KEYS, RankEstimate, estimate
 from fxshard.planner.facts import Captures, ProgramFacts, SubPlan, program_facts, register_plans
 from fxshard.planner.model import PlannedModel
@@ -34,12 +34,15 @@ GIB = 1 << 30
 
 @dataclass
 class PlanEntry:
-    """One candidate, predicted; ``reason`` says why it cannot run (``None``: it fits)."""
+    """One candidate, predicted; ``reason`` says why it cannot run (``None``: it fits).
+    ``accum``: the gradient-accumulation passes per step (the trainer's ``--accum``), the
+    fewest that fit.  ``error``: the :class:`~fxshard.errors.InternalError` of its sub-plan,
+    when planning it hit a bug in fxshard (the other entries are planned all the same)."""
 
     mesh: dict[str, int]  # {"dp", "tp", "pp", "cp", "ep"} -> degree
     microbatches: int
     schedule: str | None
-    activation_checkpointing: bool
+    activation_checkpointing: str  # the trainer's --activation-checkpointing: none, selective, full
     memory: dict[str, float] = field(default_factory=dict)  # bytes on the fullest rank: params ... total
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per step, per axis, the busiest rank
     step_time_s: float | None = None
@@ -48,6 +51,8 @@ class PlanEntry:
     virtual: int = 1
     ranks: list[RankEstimate] = field(default_factory=list, repr=False)  # per pipeline rank
     candidate: Candidate | None = field(default=None, repr=False)
+    accum: int = 1
+    error: InternalError | None = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -59,14 +64,14 @@ class PlanEntry:
         return self.candidate.mesh_spec
 
     def trainer_flags(self) -> str:
-        """``--mesh ... [--microbatches M --schedule S] [--activation-checkpointing]``."""
+        """``--mesh ... [--accum A] [--microbatches M --schedule S] [--activation-checkpointing MODE]``."""
         return self.candidate.trainer_flags()
 
 
 def plan_parallelism(model, world_size: int, *, memory_gib: float | None, example_kwargs: dict | None = None,
                      global_batch: int | None = None, seq: int | None = None, device=None,
                      candidates: list[dict] | None = None, dtype: str | None = None,
-                     gpus_per_node: int | None = None) -> list[PlanEntry]:
+                     gpus_per_node: int | None = None, accum: int | None = None) -> list[PlanEntry]:
     """Every candidate mesh of ``world_size`` ranks for training ``model``, best first: those
     that fit ``memory_gib`` per rank by predicted step time, then the rejected with their reason.
 
@@ -83,36 +88,55 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     :class:`Calibration`, a preset name (``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"``), a JSON
     file of ``python -m fxshard plan --calibrate``, or ``None`` (this machine's).  ``dtype``:
     ``"bf16"`` (FSDP2's mixed precision; the default on GPUs) or ``"fp32"``.  ``memory_gib``:
-    ``None`` takes the device's.  ``candidates``: evaluate just these (each a dict of axis
-    degrees, optionally ``microbatches``, ``schedule``, ``activation_checkpointing``).
+    ``None`` takes the device's (:func:`~fxshard.planner.calibration.rank_memory_gib`: a GPU's
+    total, a CPU's memory over the ranks that share it; ``plan_parallelism.last_memory`` says
+    which).  ``candidates``: evaluate just these (each a dict of axis degrees, optionally
+    ``microbatches``, ``schedule``, ``activation_checkpointing`` (``"none"``, ``"selective"``,
+    ``"full"``, ``"selective:K"``; ``True``: full), ``accum``).  Unless given, every candidate is
+    predicted in each activation checkpointing mode (``none``, ``selective``, ``full``).
+
+    Each candidate runs in the fewest gradient-accumulation passes that fit, unless it names
+    its own or ``accum`` fixes them for all (the trainer's ``--accum``).  A bug met while planning one sub-plan (a tp/cp/ep program) is an
+    :class:`~fxshard.errors.InternalError` naming it, on that sub-plan's entries (``error``,
+    and a ``reason`` starting ``internal error``); the other sub-plans are planned.
     """
     t0 = time.perf_counter()
     refuse_if_distributed()
     seq, global_batch = _sizes(seq, global_batch, example_kwargs)
     cal = device if isinstance(device, Calibration) else default_calibration(device)
-    memory_gib = memory_gib if memory_gib is not None else cal.memory_gib
     if memory_gib is None:
-        raise PlanError(f"plan_parallelism: how much memory has a rank?\n  fix: memory_gib=80 (the {cal.name} "
-                        f"calibration does not say)")
+        memory_gib, where = rank_memory_gib(cal, world_size, this_machine=device is None)
+    else:
+        where = "given"
+    plan_parallelism.last_memory = (float(memory_gib), where)
     bf16 = (dtype or cal.dtype) == "bf16"
     planned = PlannedModel.resolve(model)
     n_blocks = len(planned.block_names())
     node = gpus_per_node or cal.gpus_per_node
     if candidates is not None:
         cands = [candidate_from(c, world_size) for c in candidates]
+        fixed_accum = ["accum" in spec for spec in candidates]  # by position: {"dp": 2} and {"dp": 2, "accum": 1} differ
     else:
         cands = enumerate_candidates(world_size, seq=seq, global_batch=global_batch, n_blocks=n_blocks,
                                      heads=planned.heads, experts=planned.experts, gpus_per_node=node)
+        fixed_accum = [False] * len(cands)
+    if accum is not None:
+        cands = [c.with_accum(int(accum)) for c in cands]
+        fixed_accum = [True] * len(cands)
     reasons = {c.key: divisibility(c, world_size, seq=seq, global_batch=global_batch, n_blocks=n_blocks,
                                    heads=planned.heads, experts=planned.experts) for c in cands}
     subplans = list(dict.fromkeys(c.subplan for c in cands if reasons[c.key] is None))
     captures = Captures(planned, seq)
-    refused = register_plans(captures, subplans)
-    facts: dict[SubPlan, ProgramFacts | str] = dict(refused)
+    facts: dict[SubPlan, ProgramFacts | str | InternalError] = {}
+    for sp in subplans:  # one at a time: a bug in one sub-plan's plan leaves the others' captures alone
+        try:
+            facts.update(register_plans(captures, [sp]))
+        except Exception as e:  # noqa: BLE001 - not a refusal (PlanError): a bug, reported on its sub-plan
+            facts[sp] = subplan_internal_error(sp, e)
     entries = []
-    for c in cands:
+    for c, fixed in zip(cands, fixed_accum):
         entry = PlanEntry(dict(c.mesh), c.microbatches, c.schedule, c.activation_checkpointing, virtual=c.virtual,
-                          candidate=c, reason=reasons[c.key])
+                          candidate=c, reason=reasons[c.key], accum=c.accum)
         entries.append(entry)
         if entry.reason is not None:
             continue
@@ -122,17 +146,80 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
                 facts[sp] = program_facts(captures, sp, torch.bfloat16 if bf16 else torch.float32)
             except PlanError as e:
                 facts[sp] = str(e)
+            except Exception as e:  # noqa: BLE001 - a bug in fxshard: this sub-plan's, not the plan's end
+                facts[sp] = subplan_internal_error(sp, e)
+        if isinstance(facts[sp], InternalError):
+            _internal(entry, facts[sp])
+            continue
         if isinstance(facts[sp], str):
             entry.reason = "plan refused: " + facts[sp].strip().splitlines()[0]
             continue
-        est = estimate(c, facts[sp], global_batch=global_batch, seq=seq, cal=cal, bf16=bf16)
+        choices = [c.accum] if fixed else accum_choices(c, global_batch)
+        try:
+            chosen, est = _fewest_passes(c, choices, facts[sp], memory_gib * GIB, global_batch=global_batch, seq=seq,
+                                         cal=cal, bf16=bf16)
+        except Exception as e:  # noqa: BLE001 - the arithmetic's bug: this sub-plan's entries only
+            _internal(entry, subplan_internal_error(sp, e))
+            continue
+        entry.candidate, entry.accum = chosen, chosen.accum
         entry.memory, entry.comm_bytes, entry.step_time_s, entry.ranks = est.memory, est.comm_bytes, est.step_time_s, est.ranks
         entry.tokens_per_s = global_batch * seq / est.step_time_s / world_size
         if est.memory["total"] > memory_gib * GIB:
-            entry.reason = f"memory: {est.memory['total'] / GIB:.1f} GiB on a rank > {memory_gib:g} GiB"
+            most = f" (in {chosen.accum} accumulation passes, the most)" if len(choices) > 1 else ""
+            entry.reason = f"memory: {est.memory['total'] / GIB:.1f} GiB on a rank > {memory_gib:g} GiB{most}"
     entries.sort(key=_rank_key)
     plan_parallelism.last_seconds = time.perf_counter() - t0
     return entries
+
+
+def _fewest_passes(c: Candidate, choices: list[int], facts: ProgramFacts, budget: float, **kw):
+    """The candidate in the fewest accumulation passes of ``choices`` (ascending) whose memory
+    fits ``budget`` bytes, and its estimate; none fitting: the most passes (the least memory).
+    Each pass adds its own costs (FSDP2's gathers, the kernels' fixed cost, a pipeline's fill),
+    so the fewest passes that fit is the fastest.  From 2 passes on the memory only falls with
+    more (the activations shrink, FSDP2's accumulated gradients stay), so a bisection finds them."""
+    def at(i: int):
+        cand = c.with_accum(choices[i])
+        return cand, estimate(cand, facts, **kw)
+
+    fits = lambda found: found[1].memory["total"] <= budget  # noqa: E731
+    first = at(0)
+    if fits(first) or len(choices) == 1:
+        return first
+    lo, hi = 1, len(choices) - 1
+    found = at(hi)
+    if not fits(found):
+        return found
+    while lo < hi:  # choices[hi] fits (found); the first that does
+        mid = (lo + hi) // 2
+        got = at(mid)
+        if fits(got):
+            hi, found = mid, got
+        else:
+            lo = mid + 1
+    return found
+
+
+def subplan_internal_error(subplan: SubPlan, e: BaseException) -> InternalError:
+    """``e``, raised while planning ``subplan``, as the InternalError that names it (a bug in
+    fxshard, not a refusal: the sub-plan's entries carry it, the other sub-plans are planned).
+
+    Example: ``subplan_internal_error(SubPlan(tp=3), KeyError("x")).subplan   # SubPlan(tp=3)``"""
+    inner = e.original if isinstance(e, InternalError) and e.original is not None else e
+    located = e if isinstance(e, InternalError) else InternalError.from_exception("plan_parallelism", e)
+    what = str(e).splitlines()[0] if isinstance(e, InternalError) else f"{type(e).__name__}: {e}"
+    err = InternalError(located.pass_name, f"planning sub-plan {subplan}: {what}", original=inner,
+                        location=located.location)
+    err.subplan = subplan
+    err.__cause__ = e
+    return err
+
+
+def _internal(entry: PlanEntry, err: InternalError) -> None:
+    entry.error = err
+    what = str(err).splitlines()[0].split(f"planning sub-plan {err.subplan}: ", 1)[-1]
+    where = f" ({err.location})" if err.location else ""
+    entry.reason = f"internal error in sub-plan {err.subplan}{where}: {what} (a bug in fxshard: please report it)"
 
 
 def best_mesh(model_source_or_model, world_size: int, memory_gib: float | None, seq: int, global_batch: int,
@@ -154,17 +241,18 @@ def best_mesh(model_source_or_model, world_size: int, memory_gib: float | None, 
 
 
 def format_table(entries: list[PlanEntry], top: int = 12, rejected: int = 8) -> str:
-    """The best ``top`` entries and the first ``rejected`` rejected ones, one line each."""
+    """The best ``top`` entries and the first ``rejected`` rejected ones, one line each
+    (``accum``: gradient-accumulation passes per step; ``M``: the pipeline's micro-batches)."""
     fits = [e for e in entries if e.fits][:top]
     bad = [e for e in entries if not e.fits][:rejected]
-    head = ["#", "mesh", "M", "schedule", "AC", "params", "grads", "optimizer", "activations", "transient", "total",
+    head = ["#", "mesh", "accum", "M", "schedule", "AC", "params", "grads", "optimizer", "activations", "transient", "total",
             "comm per step", "step s", "tokens/s/rank"]
     rows = []
     for i, e in enumerate(fits + bad):
         mem = [fmt_bytes(e.memory.get(k, 0)) for k in MEMORY_KEYS] if e.memory else [""] * len(MEMORY_KEYS)
         comm = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in e.comm_bytes.items()) or "-"
-        rows.append([str(i + 1) if e.fits else "x", e.mesh_spec or "1", str(e.microbatches), e.schedule or "-",
-                     "yes" if e.activation_checkpointing else "", *mem, comm,
+        rows.append([str(i + 1) if e.fits else "x", e.mesh_spec or "1", str(e.accum), str(e.microbatches), e.schedule or "-",
+                     e.activation_checkpointing if e.activation_checkpointing != "none" else "-", *mem, comm,
                      f"{e.step_time_s:.3g}" if e.step_time_s is not None else "",
                      f"{e.tokens_per_s:,.0f}" if e.tokens_per_s is not None else ""])
     widths = [max(len(r[k]) for r in [head] + rows) for k in range(len(head))]
@@ -176,7 +264,8 @@ def format_table(entries: list[PlanEntry], top: int = 12, rejected: int = 8) -> 
 
 
 def _rank_key(e: PlanEntry):
-    order = 0 if e.fits else (1 if e.reason.startswith("memory") else 2 if e.reason.startswith("plan") else 3)
+    order = 0 if e.fits else (1 if e.reason.startswith("memory") else 2 if e.reason.startswith("plan") else
+                              3 if e.reason.startswith("internal") else 4)
     return order, e.step_time_s if e.step_time_s is not None else float("inf"), e.memory.get("total", 0)
 
 

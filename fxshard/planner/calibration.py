@@ -127,6 +127,39 @@ def default_calibration(device: str | None = None) -> Calibration:
     return PRESETS["cpu"]
 
 
+def rank_memory_gib(cal: Calibration, world: int, *, this_machine: bool = True) -> tuple[float, str]:
+    """The memory of one rank when none is given, and where it comes from: the calibration's
+    (a GPU preset's data sheet); else this machine's GPU (its total, when ``this_machine`` or
+    the calibration is a GPU's); else this machine's memory (its cgroup limit if lower) over
+    the ranks that share it: ``LOCAL_WORLD_SIZE`` under torchrun, else ``world`` (at most
+    ``gpus_per_node``).
+
+    Example: ``rank_memory_gib(Calibration.named("cpu"), 4)   # (15.6, "this machine's 62.5 GiB over 4 ranks")``
+    """
+    if cal.memory_gib:
+        return float(cal.memory_gib), f"the {cal.name}'s"
+    if torch.cuda.is_available() and (this_machine or cal.cores is None):
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory / 2**30, f"this machine's {props.name}"
+    total = _machine_bytes()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or max(1, min(world, cal.gpus_per_node))
+    return total / local / 2**30, f"this machine's {total / 2**30:.1f} GiB over {local} rank{'s' * (local > 1)}"
+
+
+def _machine_bytes() -> int:
+    """Physical memory, or the cgroup's limit where it is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
 def calibrate(device: str | None = None, *, repeats: int = 5) -> Calibration:
     """Measure this device (and the world's links, when a process group exists).  Every rank
     of a process group must call it (the collectives are the world's); rank 0 measures the

@@ -13,9 +13,15 @@ factor the world size, pruned by what the model and the batch allow:
 - ``pp`` at most the number of blocks; micro-batches ``M`` in ``pp, 2 pp, 4 pp`` dividing each
   data-parallel rank's rows; schedules ``1F1B`` and ``Interleaved1F1B`` (2 stages per rank,
   ``M`` a multiple of pp);
-- ``dp`` divides the global batch.
+- ``dp`` divides the global batch;
+- ``accum``: gradient accumulation, the trainer's ``--accum`` (torchtitan's local batch against
+  its global batch): each dp rank's rows run in ``accum`` passes of ``rows / accum`` rows (each
+  pass the pipeline's ``M`` micro-batches under pp), one optimizer step after the last.  It is
+  not enumerated: ``plan_parallelism`` takes, for each candidate, the fewest passes that fit
+  (:func:`accum_choices` lists them: more passes only add per-pass costs).
 
-Each candidate is tried with and without activation checkpointing.  A candidate the user
+Each candidate is tried with each activation checkpointing mode of the trainer: ``none``,
+``selective`` (per op) and ``full``.  A candidate the user
 names that breaks a rule is kept, with the rule as its reason.
 
 Example::
@@ -28,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fxshard.planner.facts import SubPlan
+from fxshard.training.checkpointing import parse_checkpointing
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 TRAINER_ORDER = ("pp", "dp", "cp", "ep", "tp")  # fxshard.trainer.parallel_dims.AXES: the mesh's dim order
@@ -35,21 +42,38 @@ TRAINER_ORDER = ("pp", "dp", "cp", "ep", "tp")  # fxshard.trainer.parallel_dims.
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration of the trainer: mesh, micro-batches, schedule, recomputation."""
+    """One configuration of the trainer: mesh, micro-batches, schedule, recomputation, and
+    ``accum`` gradient-accumulation passes per optimizer step (``--accum``)."""
 
     mesh: dict = field(hash=False, compare=False)
     microbatches: int = 1
     schedule: str | None = None
     virtual: int = 1
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none, selective, full, selective:K (the trainer's flag)
     key: tuple = ()
+    accum: int = 1
 
     @classmethod
     def make(cls, mesh: dict, microbatches: int = 1, schedule: str | None = None, virtual: int = 1,
-             activation_checkpointing: bool = False) -> "Candidate":
+             activation_checkpointing: str | bool = "none", accum: int = 1) -> "Candidate":
         full = {a: int(mesh.get(a, 1)) for a in AXES}
-        key = (tuple(full.values()), microbatches, schedule, virtual, activation_checkpointing)
-        return cls(full, microbatches, schedule, virtual, activation_checkpointing, key)
+        activation_checkpointing = checkpointing_name(activation_checkpointing)
+        key = (tuple(full.values()), microbatches, schedule, virtual, activation_checkpointing, accum)
+        return cls(full, microbatches, schedule, virtual, activation_checkpointing, key, accum)
+
+    def with_accum(self, accum: int) -> "Candidate":
+        """The same configuration in ``accum`` passes per step."""
+        return Candidate.make(self.mesh, self.microbatches, self.schedule, self.virtual, self.activation_checkpointing,
+                              accum)
+
+    def micro_rows(self, global_batch: int) -> float:
+        """The rows one rank runs at once: a dp rank's rows over the passes and the pipeline's micro-batches."""
+        return global_batch / (self.mesh["dp"] * self.accum * self.microbatches)
+
+    @property
+    def checkpointing(self) -> tuple[str, int]:
+        """``(mode, every)``: ``("selective", 1)``; ``selective:K`` is ``("full", K)``."""
+        return parse_checkpointing(self.activation_checkpointing)
 
     @property
     def subplan(self) -> SubPlan:
@@ -64,12 +88,14 @@ class Candidate:
     def trainer_flags(self) -> str:
         """The flags of ``python -m fxshard train`` that run this candidate."""
         flags = [f"--mesh {self.mesh_spec}"] if self.mesh_spec else []
+        if self.accum > 1:
+            flags.append(f"--accum {self.accum}")
         if self.mesh["pp"] > 1:
             flags += [f"--microbatches {self.microbatches}", f"--schedule {self.schedule}"]
             if self.virtual > 1:
                 flags.append(f"--virtual-stages {self.virtual}")
-        if self.activation_checkpointing:
-            flags.append("--activation-checkpointing")
+        if self.activation_checkpointing != "none":
+            flags.append(f"--activation-checkpointing {self.activation_checkpointing}")
         return " ".join(flags)
 
 
@@ -83,8 +109,11 @@ def divisibility(c: Candidate, world: int, *, seq: int, global_batch: int, n_blo
     if global_batch % m["dp"]:
         return f"dp={m['dp']} does not divide the global batch of {global_batch} rows"
     rows = global_batch // m["dp"]
-    if rows % c.microbatches:
-        return f"{c.microbatches} micro-batches do not divide each dp rank's {rows} rows"
+    if c.accum < 1 or rows % c.accum:
+        return f"accum={c.accum} passes do not divide each dp rank's {rows} rows"
+    if (rows // c.accum) % c.microbatches:
+        per = f"each pass's {rows // c.accum}" if c.accum > 1 else f"each dp rank's {rows}"
+        return f"{c.microbatches} micro-batches do not divide {per} rows"
     if heads is not None and (m["tp"] > heads or heads % m["tp"]):
         return f"tp={m['tp']} does not divide the {heads} attention heads"
     pieces = m["cp"] * (2 if m["pp"] == 1 and m["cp"] > 1 else 1)  # load-balanced: two pieces per rank
@@ -105,7 +134,8 @@ def divisibility(c: Candidate, world: int, *, seq: int, global_batch: int, n_blo
 
 def enumerate_candidates(world: int, *, seq: int, global_batch: int, n_blocks: int, heads: int | None,
                          experts: int | None, gpus_per_node: int, long_seq: int = 16384,
-                         schedules=("1F1B", "Interleaved1F1B"), checkpointing=(False, True)) -> list[Candidate]:
+                         schedules=("1F1B", "Interleaved1F1B"),
+                         checkpointing=("none", "selective", "full")) -> list[Candidate]:
     """Every candidate the rules of the module docstring allow (the rules are checked again,
     with reasons, by :func:`divisibility`)."""
     out = []
@@ -134,9 +164,19 @@ def enumerate_candidates(world: int, *, seq: int, global_batch: int, n_blocks: i
     return out
 
 
+def accum_choices(c: Candidate, global_batch: int) -> list[int]:
+    """The passes ``c`` may take, fewest first: divisors of a dp rank's rows whose passes the
+    pipeline's micro-batches divide (``[1]`` when the rows do not split)."""
+    if global_batch % c.mesh["dp"]:
+        return [1]
+    rows = global_batch // c.mesh["dp"]
+    return [a for a in _divisors(rows) if (rows // a) % c.microbatches == 0] or [1]
+
+
 def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candidate:
     """A user's candidate: ``{"tp": 2}`` (dp takes the remaining ranks), optionally with
-    ``microbatches``, ``schedule``, ``virtual``, ``activation_checkpointing``."""
+    ``microbatches``, ``schedule``, ``virtual``, ``activation_checkpointing``, ``accum``
+    (absent: the planner takes the fewest passes that fit; see :func:`accum_choices`)."""
     mesh = {a: int(spec[a]) for a in AXES if a in spec}
     if "dp" not in mesh:
         rest = 1
@@ -147,7 +187,18 @@ def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candida
     schedule = spec.get("schedule", "1F1B" if pp > 1 else None)
     virtual = int(spec.get("virtual", 2 if schedule and schedule.startswith("Interleaved") else 1))
     microbatches = int(spec.get("microbatches", default_microbatches or (2 * pp if pp > 1 else 1)))
-    return Candidate.make(mesh, microbatches if pp > 1 else 1, schedule, virtual, bool(spec.get("activation_checkpointing", False)))
+    return Candidate.make(mesh, microbatches if pp > 1 else 1, schedule, virtual, spec.get("activation_checkpointing", "none"),
+                          int(spec.get("accum", 1)))
+
+
+def checkpointing_name(value: str | bool | None) -> str:
+    """The trainer's ``--activation-checkpointing`` value for a candidate's: ``True`` is
+    ``"full"``, ``False`` / ``None`` ``"none"``, ``"selective:op"`` ``"selective"``; a mode the
+    trainer does not take is a PlanError."""
+    mode, every = parse_checkpointing(value)
+    if every > 1:
+        return f"selective:{every}"
+    return mode
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,0 +1,102 @@
+"""``python -m fxshard plan`` as a new user meets it (issue 43, item 8): the device's memory
+without a flag, ``train``'s flag names, and a ``best:`` line that is the train command."""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import pytest
+
+pytestmark = pytest.mark.isolated  # torch's fake process group, process-wide (pyproject: markers)
+
+pytest.importorskip("transformers")
+
+from fxshard.__main__ import main  # noqa: E402
+from fxshard.planner.calibration import Calibration, rank_memory_gib  # noqa: E402
+from fxshard.trainer.arguments import add_train_arguments  # noqa: E402
+
+SEQ = 16
+
+
+def _best_line(out: str) -> str:
+    lines = [l for l in out.splitlines() if l.startswith("best: ")]
+    assert len(lines) == 1, out
+    return lines[0][len("best: "):]
+
+
+def _train_args(command: str) -> argparse.Namespace:
+    words = shlex.split(command)
+    assert words[:3] in (["torchrun", "--nproc-per-node", "4"], ["python", "-m", "fxshard"]), words
+    rest = words[words.index("train") + 1:]
+    return add_train_arguments(argparse.ArgumentParser(exit_on_error=False)).parse_args(rest)
+
+
+def test_without_a_memory_flag_on_a_cpu(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert main(["plan", "--model", "llama", "--world", "2", "--seq", str(SEQ), "--batch", "4", "--device", "cpu",
+                 "--candidates", "dp=2"]) == 0
+    out = capsys.readouterr().out
+    gib, where = rank_memory_gib(Calibration.named("cpu"), 2)
+    assert f"on 2 ranks of {gib:.4g} GiB (this machine's" in out and "over 2 ranks" in where
+    assert "1 of 1 candidates fit" in out
+
+
+def test_rank_memory_of_a_cpu_over_the_local_ranks(monkeypatch):
+    cpu = Calibration.named("cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone, _ = rank_memory_gib(cpu, 1)
+    assert 0.1 < alone < 1 << 20
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four, where = rank_memory_gib(cpu, 64)  # torchrun's local ranks, whatever the world
+    assert four == pytest.approx(alone / 4) and where.endswith("over 4 ranks")
+    assert rank_memory_gib(Calibration.named("h100"), 64) == (80.0, "the H100 SXM's")
+
+
+def test_the_best_line_is_the_train_command(capsys):
+    assert main(["plan", "--model", "llama", "--world", "4", "--memory-gib", "4", "--seq", str(SEQ), "--batch", "16",
+                 "--device", "cpu", "--candidates", "dp=2,tp=2,accum=2;pp=2,dp=2,m=2,ac", "--data", "a b.txt",
+                 "c.jsonl"]) == 0
+    command = _best_line(capsys.readouterr().out)
+    args = _train_args(command)
+    assert (args.model, args.seq, args.batch, args.data) == ("llama", SEQ, 16, ["a b.txt", "c.jsonl"])
+    assert args.mesh in ("dp=2,tp=2", "pp=2,dp=2")
+    if args.mesh == "dp=2,tp=2":
+        assert args.accum == 2
+    else:
+        assert args.microbatches == 2 and args.schedule == "1F1B" and args.activation_checkpointing
+
+
+def test_the_old_flag_names_still_work_and_one_rank_is_python(capsys):
+    assert main(["plan", "--model", "llama", "--world", "1", "--memory", "4", "--seq", str(SEQ), "--global-batch", "4",
+                 "--device", "cpu"]) == 0
+    command = _best_line(capsys.readouterr().out)
+    assert command.startswith("python -m fxshard train --model llama --data TEXT_FILES ")
+    args = _train_args(command)
+    assert (args.batch, args.seq, args.mesh, args.data) == (4, SEQ, "", ["TEXT_FILES"])
+
+
+def test_only_rank_0_prints(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert main(["plan", "--model", "llama", "--world", "2", "--memory-gib", "4", "--seq", str(SEQ), "--batch", "4",
+                 "--device", "cpu", "--candidates", "dp=2"]) == 0
+    assert main(["plan", "--model", "llama", "--world", "2"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_mesh_auto_without_a_memory_flag_on_a_cpu(capsys, monkeypatch):
+    """``train --mesh auto`` on a CPU with no ``--memory-gib``: this machine's memory over the
+    local ranks; the planner's accumulation passes reach the trainer's ``--accum``."""
+    from fxshard.cli.train import resolve_auto_mesh
+
+    parser = add_train_arguments(argparse.ArgumentParser())
+    for rank in ("0", "1"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        args = parser.parse_args(["--model", "llama", "--model-config", "num_hidden_layers=2", "--data", "x.txt",
+                                  "--mesh", "auto", "--seq", str(SEQ), "--batch", "8", "--device", "cpu"])
+        resolve_auto_mesh(args)
+        assert args.mesh in ("dp=2", "tp=2", "pp=2") and args.accum >= 1 and args.memory_gib is None
+        out = capsys.readouterr().out
+        assert out.count("mesh auto: --mesh ") == (1 if rank == "0" else 0), out

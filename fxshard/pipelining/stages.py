@@ -6,6 +6,9 @@ of each node.  :func:`cut_stages` assigns every node a stage at block boundaries
 also holds everything before the first block: the embedding, rotary tables, masks; the
 last stage everything after the last block: the final norm and the head) and builds one
 GraphModule per stage whose inputs and outputs are the tensors that cross the cut.
+Without ``split=`` the stages are balanced by :mod:`.stage_costs` (a block's FLOPs, parameter
+and activation bytes whatever wraps it; the embedding on the first stage, the head and the
+loss on the last), the function the planner predicts the cut with.
 
 - Parameters and buffers (``get_attr``) and what is computed from them alone are copied
   into every stage that reads them: a tied weight (GPT-2's embedding and head) is held by
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import operator
 from typing import Any, Sequence
 
@@ -37,27 +39,19 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard.errors import PlanError
-from fxshard.meta import StageInfo, block_of, program_meta
+from fxshard.meta import StageInfo, program_meta
 
 from fxshard.state.module_state import add_missing_state, named_state
 
 from fxshard.plan.pipeline import PipelineSpec
+
+from .stage_costs import StageCost, balanced_stages, cost_shares, node_block, program_blocks, unit_costs
 
 FREE = -1  # a stage index meaning "computed from parameters and constants alone: copied where used"
 LOSS = 1 << 30  # a stage index meaning "part of the loss (depends on a target input)"
 
 # ops between the cross-entropy and the loss output that do not change a sum into something else
 _TRANSPARENT_METHODS = {"to", "float", "double", "type_as", "clone", "contiguous", "view", "reshape", "squeeze"}
-
-
-@dataclasses.dataclass
-class StageCost:
-    """One unit of the balance: a block (or the part before the first / after the last)."""
-
-    name: str
-    param_bytes: int
-    flops: int
-    activation_bytes: int = 0  # bytes of the values its nodes make (what a backward may keep), at the example's shapes
 
 
 @dataclasses.dataclass
@@ -119,19 +113,16 @@ def cut_stages(gm: fx.GraphModule, spec: PipelineSpec, num_stages: int, targets:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     target_nodes = [n for n in placeholders if n.target in targets] if with_loss else []
     loss_nodes = _dependents(target_nodes)
-    blocks = []
-    for n in nodes:
-        b = _block(n) if n.op not in ("placeholder", "get_attr", "output") else ""
-        if b and b not in blocks:
-            blocks.append(b)
+    blocks = program_blocks(gm)
     if len(blocks) < num_stages:
         raise PlanError(f"pipeline: {num_stages} stages ({spec.axis} x virtual={spec.virtual}) but the model has only "
                         f"{len(blocks)} transformer blocks ({', '.join(blocks) or 'none found'}); a stage holds whole blocks"
                         f"\n  fix: a smaller {spec.axis!r} axis or virtual, or a model with at least {num_stages} blocks")
-    stage_of_node = _assign(nodes, blocks, loss_nodes, _block_stages(gm, nodes, blocks, spec, num_stages))
-    costs = _unit_costs(nodes, blocks, stage_of_node)
+    # the costs of the balance (stage_costs): a block's whatever wraps it, the loss where it runs (the last stage)
+    costs = unit_costs(gm, blocks, loss_nodes=loss_nodes)
+    stage_of_node = _assign(nodes, blocks, loss_nodes, _block_stages(costs, blocks, spec, num_stages))
     stage_blocks = [[b for b in blocks if stage_of_node[b] == s] for s in range(num_stages)]
-    share = _shares(costs)
+    share = cost_shares(costs)
     stage_costs = [0.0] * num_stages
     for i, c in enumerate(costs):
         s = 0 if i == 0 else num_stages - 1 if i == len(costs) - 1 else stage_of_node[c.name]
@@ -214,12 +205,11 @@ def _dependents(roots: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _block_stages(gm, nodes, blocks: list[str], spec: PipelineSpec, num_stages: int) -> list[int]:
+def _block_stages(costs: list[StageCost], blocks: list[str], spec: PipelineSpec, num_stages: int) -> list[int]:
     """The stage of each block: ``spec.split`` names the first block of each stage after the first,
-    else the stages are balanced by cost."""
+    else the stages are balanced by cost (``stage_costs.balanced_stages``)."""
     if spec.split is None:
-        costs = _unit_costs(nodes, blocks, None)
-        return _balance(_shares(costs), num_stages)
+        return balanced_stages(costs, num_stages)
     if len(spec.split) != num_stages - 1:
         raise PlanError(f"pipeline: split={list(spec.split)} names {len(spec.split)} cut points, but {num_stages} stages need "
                         f"{num_stages - 1} (the first block of each stage after the first)\n  fix: split= one block FQN per "
@@ -265,7 +255,7 @@ def _assign(nodes, blocks, loss_nodes, stage_of_block: list[int]) -> dict[str, i
             stage[n.name] = 0
         else:
             s = max((stage[a.name] for a in n.all_input_nodes), default=FREE)
-            b = _block(n)
+            b = node_block(n)
             if b:
                 if s > stage[b]:
                     raise PlanError(f"pipeline: node {n.name} of block {b} (stage {stage[b]}) reads a value of a later "
@@ -281,14 +271,6 @@ def _dead_code_out(graph: fx.Graph, gm: fx.GraphModule) -> None:
     owning module whether a ``call_module`` is pure)."""
     graph.owning_module = gm
     graph.eliminate_dead_code()
-
-
-def _block(n: fx.Node) -> str:
-    """The block of a node; a block already outlined into a submodule (``Plan(fsdp=...)``) is
-    the ``call_module`` node of its FQN."""
-    if n.op == "call_module" and n.target in (program_meta(n.graph.owning_module).fsdp_units or ()):
-        return n.target
-    return block_of(n)
 
 
 def _is_tensor(n: fx.Node) -> bool:
@@ -326,97 +308,11 @@ def _flat(x) -> list:
     return [x]
 
 
-# ----------------------------------------------------------------------------- costs and balance
-
-
 def _hint(d) -> int:
     if isinstance(d, int):
         return d
     hint = getattr(getattr(d, "node", None), "hint", None)
     return int(hint) if hint is not None else 1
-
-
-def _numel(t) -> int:
-    return math.prod(_hint(d) for d in t.shape) if isinstance(t, torch.Tensor) else 0
-
-
-def _flops(n: fx.Node) -> int:
-    """Forward multiply-adds x 2 of a node, from its recorded global shapes; elementwise ops count their output."""
-    out = n.meta.get("val")
-    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-    if n.op == "call_function" and n.target is F.linear and isinstance(args[1], torch.Tensor):
-        return 2 * _numel(out) * _hint(args[1].shape[-1])
-    if n.target in (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm") and isinstance(args[0], torch.Tensor):
-        return 2 * _numel(out) * _hint(args[0].shape[-1])
-    if n.target is F.scaled_dot_product_attention and all(isinstance(a, torch.Tensor) for a in args[:2]):
-        q, k = args[0], args[1]
-        return 4 * _numel(q) * _hint(k.shape[-2])
-    return _numel(out)
-
-
-def _unit_costs(nodes, blocks: list[str], stage_of_node) -> list[StageCost]:
-    """The cost of each unit: "<before>" the first block, every block, "<after>" the last."""
-    units = {name: StageCost(name, 0, 0) for name in ["<before>", *blocks, "<after>"]}
-    seen_params: dict[str, set] = {name: set() for name in units}
-    current = "<before>"
-    for n in nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
-        b = _block(n)
-        unit = b or (current if current == "<before>" else "<after>")
-        if b:
-            current = b
-        if stage_of_node is not None and stage_of_node.get(n.name) == LOSS:
-            unit = "<after>"
-        units[unit].flops += _flops(n)
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            units[unit].activation_bytes += _numel(val) * val.element_size()
-        for a in n.all_input_nodes:
-            if a.op == "get_attr" and a.target not in seen_params[unit] and isinstance(a.meta.get("val"), torch.Tensor):
-                seen_params[unit].add(a.target)
-                units[unit].param_bytes += _numel(a.meta["val"]) * a.meta["val"].element_size()
-    return list(units.values())
-
-
-def _shares(costs: list[StageCost]) -> list[float]:
-    """Each unit's cost: the mean of its shares of all FLOPs (time), of all parameter bytes
-    (memory held) and of all activation bytes (memory per micro-batch in flight)."""
-    flops = sum(c.flops for c in costs) or 1
-    params = sum(c.param_bytes for c in costs) or 1
-    activations = sum(c.activation_bytes for c in costs) or 1
-    return [(c.flops / flops + c.param_bytes / params + c.activation_bytes / activations) / 3 for c in costs]
-
-
-def _balance(share: list[float], num_stages: int) -> list[int]:
-    """The stage of each block (``share``: before, blocks..., after) minimizing the largest
-    stage cost, contiguous, at least one block per stage (a small dynamic program)."""
-    blocks = share[1:-1]
-    n = len(blocks)
-    prefix = [0.0]
-    for c in blocks:
-        prefix.append(prefix[-1] + c)
-
-    def cost(i, j, s):  # blocks i..j-1 in stage s
-        return prefix[j] - prefix[i] + (share[0] if s == 0 else 0) + (share[-1] if s == num_stages - 1 else 0)
-
-    best = {(0, 0): (0.0, None)}  # (stages done, blocks done) -> (max cost, previous blocks done)
-    for s in range(num_stages):
-        for i in range(n):
-            if (s, i) not in best:
-                continue
-            for j in range(i + 1, n - (num_stages - s - 1) + 1):
-                value = max(best[(s, i)][0], cost(i, j, s))
-                if (s + 1, j) not in best or value < best[(s + 1, j)][0] - 1e-12:
-                    best[(s + 1, j)] = (value, i)
-    stage_of_block = [0] * n
-    j = n
-    for s in range(num_stages, 0, -1):
-        i = best[(s, j)][1]
-        for b in range(i, j):
-            stage_of_block[b] = s - 1
-        j = i
-    return stage_of_block
 
 
 # ----------------------------------------------------------------------------- building a stage

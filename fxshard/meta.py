@@ -304,11 +304,13 @@ class ProgramMeta:
     blocks: dict = field(default_factory=dict)  # {fqn: DimBlocks} of packed parameters (shard_state -> state/*)
     heads: dict = field(default_factory=dict)  # {fqn: HeadReplicas} of KV heads held by several ranks
     #   (shard_state -> state/*, grad_norm)
-    fsdp: str | None = None  # the axis FSDP2 must still be applied on (register_program -> training.fsdp)
+    fsdp: tuple[str, ...] | None = None  # the axes FSDP2 must still be applied on (register_program -> training.fsdp)
+    fsdp_mesh: dict | None = None  # {FSDP2 mesh dim: the plan axes it spans} ("dp_cp": ("dp", "cp")), once applied
+    #   (training.fsdp -> state.shards: which ranks hold FSDP2's distinct pieces)
     fsdp_units: list | None = None  # block FQNs, in order (split_blocks -> training.fsdp, compile, checkpointing)
     block: str | None = None  # on a block's sub-GraphModule: its FQN (split_blocks -> debug.graph_walk)
-    activation_checkpoint: bool = False  # on a block's sub-GraphModule: its forward runs checkpointed
-    #   (training.checkpointing.checkpoint_blocks -> training.compile, checkpointed_blocks)
+    activation_checkpoint: str | None = None  # on a block's sub-GraphModule: its forward runs checkpointed, "full"
+    #   or "selective" (training.checkpointing.checkpoint_blocks -> training.compile, checkpointed_blocks)
     region: str | None = None  # on a carved local region's sub-GraphModule: its FQN (local_regions -> dump)
     lifted: Any = None  # on a carved region: the constants its trace lifted to inputs (local_regions, on a re-transform)
     # -- pipelining ----------------------------------------------------------------------------------
@@ -388,7 +390,7 @@ class PassContext:
     plan: "Plan | None" = None
     mesh: Any = None  # DeviceMesh, or a MeshSpec when planning offline
     axes: Mapping[str, int] = field(default_factory=dict)  # mesh axis -> size, in mesh order
-    fsdp_axes: tuple[str, ...] = ()  # the axis FSDP2 owns (Plan(fsdp=...)), or ()
+    fsdp_axes: tuple[str, ...] = ()  # the axes FSDP2 owns (Plan(fsdp=...)), or ()
     cp_axes: Mapping[str, Any] = field(default_factory=dict)  # axis -> ContextParallel: the sequence is sharded there
     load_balanced: tuple[str, ...] = ()  # cp axes whose sequence is split load-balanced
     block_pattern: re.Pattern | None = None  # which modules are the transformer blocks (None: module-list items)
@@ -398,6 +400,12 @@ class PassContext:
     example_inputs: tuple | None = None  # flat single-device inputs: the graph's shapes are still to record
     shapes_recorded: bool = False  # the capture recorded every node's global shape already
 
+    @property
+    def fsdp_mean_axes(self) -> tuple[str, ...]:
+        """The FSDP2 axes whose gradients are averaged (FSDP2's convention): all but the
+        context-parallel ones, whose ranks' gradient shares are summed as fxshard's are."""
+        return tuple(a for a in self.fsdp_axes if a not in self.cp_axes)
+
     @classmethod
     def from_plan(cls, plan: "Plan", *, blocks: str | None = None, bucket_cap_mb: float | None = 25,
                   overlap_grad_syncs: bool = False, example_inputs: tuple | None = None,
@@ -405,7 +413,7 @@ class PassContext:
         from fxshard.plan.specs import pattern_regex
 
         cp_axes = plan.context_parallel_axes()
-        return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=(plan.fsdp,) if plan.fsdp else (),
+        return cls(plan=plan, mesh=plan.mesh, axes=dict(plan.axes), fsdp_axes=tuple(plan.fsdp_axes),
                    cp_axes=cp_axes, load_balanced=tuple(a for a, cp in cp_axes.items() if cp.load_balance),
                    block_pattern=pattern_regex(blocks) if blocks and blocks != "auto" else None,
                    split_blocks=bool(blocks or plan.fsdp),

@@ -62,7 +62,7 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
                         f"block by block\n  fix: transform with {how}, or compile the whole program with "
                         f"torch.compile(sharded)")
     kwargs = {"fullgraph": True, **torch_compile_kwargs}
-    compiled: dict[tuple[type, bool], object] = {}  # one compiled forward per block class (checkpointed or not)
+    compiled: dict[tuple[type, str | None], object] = {}  # one compiled forward per block class and checkpointing
     classes: list[fx.GraphModule] = []  # the first block of each distinct code
     for program, fqn in ((p, fqn) for p in programs for fqn in program_meta(p).fsdp_units):
         block = program.get_submodule(fqn)
@@ -77,7 +77,7 @@ def compile(sharded: fx.GraphModule, **torch_compile_kwargs) -> fx.GraphModule: 
         # a checkpointed block (fxshard.checkpoint_blocks) compiles its checkpointed forward: dynamo's checkpoint op
         key = (type(block), program_meta(block).activation_checkpoint)
         if key not in compiled:
-            compiled[key] = torch.compile(checkpointed(key[0].forward) if key[1] else key[0].forward, **kwargs)
+            compiled[key] = torch.compile(checkpointed(key[0].forward, key[1]) if key[1] else key[0].forward, **kwargs)
         block.forward = types.MethodType(compiled[key], block)
         block._fxshard_compiled = compiled[key]
     return sharded

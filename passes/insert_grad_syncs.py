@@ -18,7 +18,9 @@ On an axis given to FSDP2 (``Plan(fsdp=...)``) FSDP2 averages every parameter's
 gradient over the axis, so no sync is added there: the chain rule is linear in the
 incoming gradient, so a parameter's mean over the ranks of its unsynced gradients is
 the right one.  Only a value whose gradient can reach a floating-point graph input
-(which no FSDP2 hook averages) gets a ``grad_sync(x, axis, "avg")`` there.
+(which no FSDP2 hook averages) gets a ``grad_sync(x, axis, "avg")`` there, or a summing
+``grad_sync(x, axis)`` on a context-parallel axis given to FSDP2 (whose ranks' shares
+FSDP2 sums there: ``fxshard.fully_shard`` sets its divide factor to the other axes).
 
 A parameter whose heads are replicated over several ranks (``extra["head_replicas"]``,
 from ``replicate_heads``) gets ``grad_sync(w, axis, replicas=r)``: each of the ``r`` ranks
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
+from fxshard.errors import node_error
 from fxshard.runtime import collectives
 from fxshard.meta import Collective, TensorInfo, info
 from fxshard.meta import PassContext
@@ -75,6 +78,36 @@ def _from_float_inputs(graph: fx.Graph) -> set[fx.Node]:
     return out
 
 
+def _from_parameters_only(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from parameters and buffers alone (no graph input above them): the
+    gradient of such a value flows only into parameters, which FSDP2 reduces."""
+    fed: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or any(a in fed for a in n.all_input_nodes):
+            fed.add(n)
+    return {n for n in graph.nodes if n not in fed and n.op != "output"}
+
+
+def _check_partial_on(value: fx.Node, needs: dict, axes: tuple[str, ...], from_params: set) -> None:
+    """On a context-parallel axis FSDP2 sums the ranks' gradients of a parameter: right when
+    each rank holds its positions' share, twice the gradient where a rank's is already whole
+    (a replicated parameter meeting an activation replicated over the axis, e.g. gathered
+    over cp before the head).  Such a parameter is refused."""
+    v = info(value).value
+    if not isinstance(v, TensorInfo) or not v.requires_grad or not v.dtype.is_floating_point:
+        return
+    for consumer, synced in needs.items():
+        if consumer in from_params or not _out_layouts(consumer):
+            continue
+        for axis in axes:
+            if isinstance(v.layout.get(axis), Replicate) and axis not in synced:
+                raise node_error(consumer, f"{value.name} (computed from parameters only) meets an activation replicated "
+                                           f"over {axis!r} here, so each {axis!r} rank's gradient of it is already the "
+                                           f"whole; FSDP2, given {axis!r} (Plan(fsdp=...)), would sum them",
+                                 f"keep the activations sharded on {axis!r} where parameters meet them (score the loss "
+                                 f"on sequence pieces), or leave {axis!r} out of fsdp= (fxshard then syncs what needs it)")
+
+
 def _sync_head_replicas(gm: fx.GraphModule) -> None:
     for p in list(gm.graph.nodes):
         hr = info(p).extra.get("head_replicas") if p.op == "get_attr" else None
@@ -98,15 +131,21 @@ def _sync_head_replicas(gm: fx.GraphModule) -> None:
 
 def insert_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Insert gradient syncs on replicated-to-sharded consumer edges (in place)."""
-    fsdp_axes = ctx.fsdp_axes
+    fsdp_axes, mean_axes = ctx.fsdp_axes, ctx.fsdp_mean_axes
     graph = gm.graph
     _sync_head_replicas(gm)
     order = {n: i for i, n in enumerate(graph.nodes)}
     from_inputs = _from_float_inputs(graph) if fsdp_axes else set()
+    sum_axes = tuple(a for a in fsdp_axes if a not in mean_axes)  # context-parallel axes given to FSDP2
+    from_params = _from_parameters_only(graph) if sum_axes else set()
     for value in list(graph.nodes):
         needs = {c: _needs(value, c) for c in list(value.users)}
-        if fsdp_axes:  # FSDP2 averages the parameters' gradients on these axes
-            needs = {c: tuple(a for a in axes if a not in fsdp_axes or value in from_inputs) for c, axes in needs.items()}
+        if sum_axes and value in from_params:
+            _check_partial_on(value, needs, sum_axes, from_params)
+        if fsdp_axes:  # FSDP2 reduces the parameters' gradients on these axes
+            needs = {c: tuple(a for a in axes if a not in fsdp_axes or
+                              (value in from_inputs if a in mean_axes else value not in from_params))
+                     for c, axes in needs.items()}
         needs = {c: axes for c, axes in needs.items() if axes}
         if not needs:
             continue
@@ -124,7 +163,7 @@ def insert_grad_syncs(gm: fx.GraphModule, ctx: PassContext) -> None:
                 if key not in synced:
                     with graph.inserting_before(consumer):
                         s = graph.call_function(collectives.grad_sync, (synced[prefix], axis),
-                                                {"op": "avg"} if axis in fsdp_axes else {})
+                                                {"op": "avg"} if axis in mean_axes else {})
                     m = info(s)
                     m.collective = Collective("grad_sync", axis, "identity", "all-reduce", f"grad of {value.name}")
                     m.value, m.region, m.rule = info(value).value, info(consumer).region, "grad sync"

@@ -34,7 +34,7 @@ def propagate(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Annotate every node with its layout (in place).  ``fsdp_axes``: the axes whose
     gradients FSDP2 averages (``Plan(fsdp=...)``; rules may follow its convention);
     ``cp_axes``: the axes the plan shards the sequence on (``fxshard.context_parallel``)."""
-    axes, fsdp_axes, cp_axes = ctx.axes, ctx.fsdp_axes, tuple(ctx.cp_axes)
+    axes, fsdp_axes, cp_axes = ctx.axes, ctx.fsdp_mean_axes, tuple(ctx.cp_axes)
     measured = shape_only_values(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "output":

@@ -3,7 +3,7 @@
 Every parameter is remembered with its program and FQN, so that
 :func:`fxshard.clip_grad_norm_` takes a plain list of them and torch's own
 ``clip_grad_norm_`` is caught on them (it would give every rank a different norm).
-With ``Plan(fsdp=axis)`` the program refuses to run until :func:`fxshard.fully_shard`
+With ``Plan(fsdp=axes)`` the program refuses to run until :func:`fxshard.fully_shard`
 has been applied (fxshard syncs no gradient on that axis).
 
 Reads:  ``ctx.fsdp_axes``; the program's parameters.
@@ -20,5 +20,5 @@ from fxshard.training.grad_norm import track_parameters
 
 def register_program(gm: fx.GraphModule, ctx: PassContext) -> None:
     if ctx.fsdp_axes:
-        require_fully_shard(gm, ctx.fsdp_axes[0])
+        require_fully_shard(gm, tuple(ctx.fsdp_axes))
     track_parameters(gm)

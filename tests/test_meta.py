@@ -42,7 +42,7 @@ def test_program_meta_survives_deepcopy_and_pickle():
     sharded = _transformed()
     program = program_meta(sharded)
     assert isinstance(program, ProgramMeta) and sharded.meta[PROGRAM_KEY] is program
-    assert program.mesh == {"dp": 2, "tp": 2} and program.fsdp == "dp" and program.fsdp_units == ["layers.0", "layers.1"]
+    assert program.mesh == {"dp": 2, "tp": 2} and program.fsdp == ("dp",) and program.fsdp_units == ["layers.0", "layers.1"]
     assert program.state and program.captured_by in ("torch.fx", "torch.export") and program.pipeline is None
     for copied in (copy.deepcopy(sharded), pickle.loads(pickle.dumps(program))):
         again = program_meta(copied) if isinstance(copied, torch.nn.Module) else copied

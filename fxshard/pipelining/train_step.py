@@ -333,7 +333,8 @@ def pipeline_transform(model: nn.Module, plan, mesh, example_inputs: Sequence[An
     # scored whole on each of its ranks, whose gradients fxshard sums over the slices: counted once
     cut.batch_axes = _sharded_output_axes(gm, plan)
     cut.batch_ranks = math.prod(plan.axes[a] for a in cut.batch_axes)
-    cut.fsdp_ranks = plan.axes[plan.fsdp] if plan.fsdp else 1
+    # the ranks FSDP2 averages over: its axes but context-parallel ones, over which it sums (fxshard.fully_shard)
+    cut.fsdp_ranks = math.prod(plan.axes[a] for a in plan.fsdp_axes if a not in plan.context_parallel_axes())
     all_state = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)] + \
                 [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     staged = PipelinedModule(cut, spec, mesh, all_state)

@@ -37,6 +37,9 @@ class Plan:
     no gradient sync on it, its gradients follow FSDP2's convention (the mean over the
     axis of each rank's gradient, so a per-rank mean loss trains on the global mean),
     and the transformed module calls one submodule per transformer block.
+    ``fsdp=("dp", "cp")``: several axes, the parameters sharded over their product
+    (torchtitan's ``dp_shard_cp``); a context-parallel axis among them keeps fxshard's
+    convention (its ranks' gradients are summed), FSDP2 takes over only the syncs.
 
     ``pipeline=fxshard.pipeline("pp", microbatches=M, ...)``: pipeline parallelism over a mesh
     axis that is not the plan's (its mesh is the sub-mesh of the other axes); run it with
@@ -48,7 +51,7 @@ class Plan:
     """
 
     def __init__(self, mesh: Mesh, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
-                 *, fsdp: str | None = None, pipeline=None):
+                 *, fsdp: str | tuple[str, ...] | None = None, pipeline=None):
         self.mesh = mesh
         self.axes = mesh_shape(mesh)
         if pipeline is not None:
@@ -56,10 +59,14 @@ class Plan:
 
             check_plan_pipeline(pipeline, self.axes)
         self.pipeline = pipeline
-        if fsdp is not None and fsdp not in self.axes:
-            raise PlanError(f"Plan(fsdp={fsdp!r}): {fsdp!r} is not an axis of the mesh, whose axes are {list(self.axes)}; "
-                            f"name the data-parallel axis that FSDP2 shards over")
-        self.fsdp = fsdp
+        if isinstance(fsdp, (list, tuple)) and len(fsdp) == 1:
+            fsdp = fsdp[0]
+        self.fsdp_axes: tuple[str, ...] = (fsdp,) if isinstance(fsdp, str) else tuple(fsdp or ())
+        for axis in self.fsdp_axes:
+            if axis not in self.axes:
+                raise PlanError(f"Plan(fsdp={fsdp!r}): {axis!r} is not an axis of the mesh, whose axes are {list(self.axes)}; "
+                                f"name the data-parallel axis (or axes) that FSDP2 shards over")
+        self.fsdp = tuple(fsdp) if isinstance(fsdp, list) else fsdp
         self.specs: dict[str, ModuleSpec] = dict(specs or {})
         self.inputs: dict[str, dict] = {}
         for name, layout in (inputs or {}).items():
@@ -101,9 +108,6 @@ class Plan:
                                 f"are {list(self.axes)}; name the axis the sequence is sharded on")
             if cp.method not in CP_METHODS:
                 raise PlanError(f"plan entry {pattern!r}: context_parallel method {cp.method!r}; use one of {list(CP_METHODS)}")
-            if cp.axis == self.fsdp:
-                raise PlanError(f"plan entry {pattern!r}: axis {cp.axis!r} is given to FSDP2 (fsdp=) and to context parallelism; "
-                                f"use one axis for the batch (FSDP2) and another for the sequence")
         for name, layout in spec.params.items():
             complete(layout, self.axes, f"plan entry {pattern!r} params[{name!r}]")
         for field_name in ("inputs", "in_src", "out_src", "out_dst"):
@@ -145,7 +149,7 @@ class Plan:
                 and self.fsdp == other.fsdp and self.pipeline == other.pipeline)
 
     def replace(self, *, specs: Mapping[str, ModuleSpec] | None = None, inputs: Mapping[str, LayoutLike] | None = None,
-                fsdp: str | None = None, pipeline=None) -> "Plan":
+                fsdp: str | tuple[str, ...] | None = None, pipeline=None) -> "Plan":
         """A copy with the given fields replaced (the others kept).
 
         Example: ``Plan.from_hf(mesh, model).replace(inputs={"input_ids": {"dp": Shard(0)}}, fsdp="dp")``

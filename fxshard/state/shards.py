@@ -156,12 +156,12 @@ def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
         shape = tuple(local.shape)
     runs = shard_runs(layout, shape, mesh_shape(mesh), mesh_coordinate(mesh), program.blocks.get(fqn),
                       program.heads.get(fqn))
-    if isinstance(local, DTensor):
-        (p,) = local.placements
-        if isinstance(p, Shard):
-            k = local.device_mesh.get_local_rank()
-            s, n = chunk(local.shape[p.dim], local.device_mesh.size(), k)
-            runs[p.dim] = take(runs[p.dim], s, n)
+    if isinstance(local, DTensor):  # FSDP2's mesh: 1-D, or HSDP's (replicate, shard)
+        for i, p in enumerate(local.placements):
+            if isinstance(p, Shard):
+                k = local.device_mesh.get_local_rank(i)
+                s, n = chunk(local.shape[p.dim], local.device_mesh.size(i), k)
+                runs[p.dim] = take(runs[p.dim], s, n)
     return runs
 
 
@@ -195,13 +195,20 @@ def copies_of(gm, fqn: str, local: torch.Tensor, owned_axes: dict | None = None)
     program = program_meta(gm)
     layout, _ = program.state.get(fqn, (None, None))
     distinct = set()
-    if isinstance(local, DTensor):
+    replicas = 1
+    if isinstance(local, DTensor):  # a flattened FSDP2 dim ("dp_cp") spans several of the plan's axes
         names = local.device_mesh.mesh_dim_names or ()
-        distinct |= {name for name, p in zip(names, local.placements) if isinstance(p, Shard)}
+        spans = program.fsdp_mesh or {}
+        for i, (name, p) in enumerate(zip(names, local.placements)):
+            span = spans.get(name, (name,))
+            if isinstance(p, Shard):
+                distinct |= set(span)
+            elif not span:  # HSDP's replicate dim: a part of the batch axis the shard dim is distinct over
+                replicas *= local.device_mesh.size(i)
     for prefix, axis in (owned_axes or {}).items():
         if fqn.startswith(prefix + "."):
             distinct.add(axis)
-    return copies(layout, program.mesh or {}, program.heads.get(fqn), distinct)
+    return copies(layout, program.mesh or {}, program.heads.get(fqn), distinct) * replicas
 
 
 def owned_children(gm) -> dict[str, str]:

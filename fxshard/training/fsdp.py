@@ -1,4 +1,4 @@
-"""FSDP2 over the data-parallel axis of a transformed module.
+"""FSDP2 over the data-parallel axes of a transformed module.
 
 fxshard shards within the model (tp, sp, ep) in the graph; the data-parallel axis
 belongs to PyTorch's FSDP2.  A plan gives it the axis with ``Plan(..., fsdp="dp")``:
@@ -16,10 +16,22 @@ Example::
     loss = F.cross_entropy(sharded(my_tokens).flatten(0, 1), my_targets.flatten())  # this rank's mean
     loss.backward()   # gradients: the mean over dp (FSDP2's convention), summed over tp by fxshard
 
+Several axes (``Plan(..., fsdp=("dp", "cp"))``) shard the parameters over their product,
+a flattened mesh dim named ``"dp_cp"`` (torchtitan's ``dp_shard_cp``).  A context-parallel
+axis among them keeps fxshard's convention: its ranks' gradient shares are summed (FSDP2's
+divide factor is set to the size of the other axes).  HSDP: the plan's batch axis ``dp`` is
+a flattened mesh dim, ``mesh["dp_replicate", "dp_shard"]._flatten("dp")``, and
+``replicate={"dp": ("dp_replicate", "dp_shard")}`` runs FSDP2 over the 2-D mesh
+``(dp_replicate, dp_shard_cp)``: replicated over the first, sharded over the second; the
+gradients are still averaged over all of dp.
+
 Until :func:`fully_shard` has run, calling the module raises ``PlanError``: no one
 would sync the gradients over the axis.
 """
 from __future__ import annotations
+
+import math
+import warnings
 
 import torch.fx as fx
 from torch.distributed._local_tensor import enabled_local_tensor_mode
@@ -32,40 +44,55 @@ from fxshard.training.grad_norm import track_parameters
 __all__ = ["fully_shard"]
 
 
-def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, **fsdp_kwargs) -> fx.GraphModule:
-    """Apply FSDP2's ``fully_shard`` over ``mesh[axis]`` to each transformer block of
-    ``sharded`` (an :func:`fxshard.transform` result whose plan has ``fsdp=axis``), then
-    to ``sharded`` itself; in place, returns ``sharded``.
+def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ...] | None = None,
+                replicate: dict[str, tuple[str, str]] | None = None, **fsdp_kwargs) -> fx.GraphModule:
+    """Apply FSDP2's ``fully_shard`` over the plan's FSDP axes of ``mesh`` to each
+    transformer block of ``sharded`` (an :func:`fxshard.transform` result whose plan has
+    ``fsdp=axis`` or ``fsdp=(axes...)``), then to ``sharded`` itself; in place, returns
+    ``sharded``.
 
-    ``mesh``: the plan's ``DeviceMesh`` (default: the bound one); ``axis``: default the
-    plan's ``fsdp`` axis; ``fsdp_kwargs`` go to every ``fully_shard`` call
-    (``mp_policy=``, ``reshard_after_forward=``, ...).  Blocks already wrapped by hand
-    (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``) are left as they are.
-    A pipelined module (:func:`fxshard.pipeline_transform`): the same on each of this rank's
-    stages (each block, then the stage); the module's parameters become the stages' new ones.
+    ``mesh``: the plan's ``DeviceMesh`` or any mesh with the FSDP axes as dims (default:
+    the bound one); ``axis``: default the plan's ``fsdp`` axes (given, they must be the
+    plan's); ``replicate``: HSDP, ``{plan axis: (replicate dim, shard dim)}`` where the plan's
+    axis is the flattening of those two mesh dims: FSDP2 on the 2-D mesh (the replicate dim,
+    the shard dim x the other FSDP axes), replicated outside, sharded inside; ``fsdp_kwargs`` go to every
+    ``fully_shard`` call (``mp_policy=``, ``reshard_after_forward=``, ...).  Blocks
+    already wrapped by hand (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``)
+    are left as they are.  A pipelined module (:func:`fxshard.pipeline_transform`): the
+    same on each of this rank's stages (each block, then the stage); the module's
+    parameters become the stages' new ones.
 
-    Example: ``fxshard.fully_shard(sharded, mesh)``, ``fxshard.fully_shard(staged, mesh["dp"])``
+    Example: ``fxshard.fully_shard(sharded, mesh)``, ``fxshard.fully_shard(staged, mesh)``,
+    ``fxshard.fully_shard(sharded, mesh, replicate={"dp": ("dp_replicate", "dp_shard")})``
+    (a mesh with dims ``dp_replicate, dp_shard, tp`` and ``dp`` flattened from the first two)
     """
     if pipeline_of(sharded) is not None:  # this rank's stages: FSDP2 on each
         # the stages must hold this module's tensors (fxshard.materialize replaced them by FQN), or
         # FSDP2 would shard the meta tensors the stages were cut with
         sharded.sync_stage_state()
         for stage in sharded.stages:
-            fully_shard(stage, mesh, axis=axis, **fsdp_kwargs)
+            fully_shard(stage, mesh, axis=axis, replicate=replicate, **fsdp_kwargs)
         sharded.adopt_stage_state()
         return sharded
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    owned = program_meta(sharded).fsdp if isinstance(sharded, fx.GraphModule) else None
-    if owned is None:
+    program = program_meta(sharded) if isinstance(sharded, fx.GraphModule) else None
+    owned = _axes(program.fsdp) if program is not None else ()
+    if not owned:
         raise PlanError("fxshard.fully_shard: this module's plan gives no mesh axis to FSDP2, so fxshard syncs the gradients "
                         "on every axis itself and FSDP2 would sync them a second time\n  fix: transform with "
                         "Plan(mesh, ..., fsdp='dp') (the data-parallel axis)")
-    if axis is not None and axis != owned:
-        raise PlanError(f"fxshard.fully_shard(axis={axis!r}): the plan gives axis {owned!r} to FSDP2, not {axis!r}\n"
-                        f"  fix: call fxshard.fully_shard(sharded, mesh) (axis {owned!r}), or transform with Plan(..., fsdp={axis!r})")
+    if axis is not None and set(_axes(axis)) != set(owned):
+        raise PlanError(f"fxshard.fully_shard(axis={axis!r}): the plan gives {_show(owned)} to FSDP2, not {axis!r}\n"
+                        f"  fix: call fxshard.fully_shard(sharded, mesh) (axes {_show(owned)}), or transform with "
+                        f"Plan(..., fsdp={axis!r})")
+    replicate = dict(replicate or {})
+    if len(replicate) > 1 or any(a not in owned or len(dims) != 2 for a, dims in replicate.items()):
+        raise PlanError(f"fxshard.fully_shard(replicate={replicate!r}): HSDP takes one of the plan's FSDP axes "
+                        f"{_show(owned)} and the two mesh dims it is flattened from, (replicate, shard)\n  fix: "
+                        f"replicate={{'dp': ('dp_replicate', 'dp_shard')}} with mesh['dp_replicate', 'dp_shard']._flatten('dp')")
     if enabled_local_tensor_mode() is not None:
         raise PlanError("fxshard.fully_shard: FSDP2 needs real ranks; simulated ranks (LocalTensorMode) cannot run it")
     mesh = collectives.bound_mesh() if mesh is None else mesh
@@ -73,24 +100,87 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | None = None, 
         raise PlanError(f"fxshard.fully_shard: FSDP2 needs a DeviceMesh (init_device_mesh), got {mesh}; an offline "
                         f"MeshSpec transform cannot run")
     names = mesh.mesh_dim_names or ()
-    if owned not in names:
-        raise PlanError(f"fxshard.fully_shard: the mesh has axes {list(names)}, not the plan's FSDP axis {owned!r}\n"
+    missing = [a for a in (*owned, *(d for dims in replicate.values() for d in dims)) if not _has_dim(mesh, a)]
+    if missing:
+        raise PlanError(f"fxshard.fully_shard: the mesh has axes {list(names)}, not the plan's FSDP axes {_show(missing)}\n"
                         f"  fix: pass the mesh the plan was made with")
-    dp_mesh = mesh[owned] if len(names) > 1 else mesh
-    for fqn in program_meta(sharded).fsdp_units or ():
+    fsdp_mesh, spans = _fsdp_mesh(mesh, owned, replicate)
+    for fqn in program.fsdp_units or ():
         block = sharded.get_submodule(fqn)
         if not isinstance(block, FSDPModule):
-            torch_fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
+            torch_fully_shard(block, mesh=fsdp_mesh, **fsdp_kwargs)
     if not isinstance(sharded, FSDPModule):
-        torch_fully_shard(sharded, mesh=dp_mesh, **fsdp_kwargs)
+        torch_fully_shard(sharded, mesh=fsdp_mesh, **fsdp_kwargs)
+    program.fsdp_mesh = spans
+    cp_axes = [a for a in owned if a in (program.context_parallel or {})]
+    if cp_axes:
+        # FSDP2 divides by every rank it reduces over; over cp fxshard's convention is the sum (each
+        # rank's gradient is its positions' share), so divide by the batch axes only
+        factor = float(math.prod((program.mesh or {})[a] for a in owned if a not in cp_axes))
+        sum_only = _backend(fsdp_mesh) != "nccl"  # PREMUL_SUM is NCCL's: elsewhere sum, then divide
+        for m in sharded.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(factor)
+                if sum_only:
+                    m.set_force_sum_reduction_for_comms(True)
     track_parameters(sharded)  # FSDP2 replaced the parameters by DTensors
     return sharded
 
 
-def require_fully_shard(gm: fx.GraphModule, axis: str) -> None:
-    """Mark ``gm`` as owing axis ``axis`` to FSDP2: calling it before :func:`fully_shard`
-    raises (its gradients on the axis would never be synced)."""
-    program_meta(gm, create=True).fsdp = axis
+def _axes(axes) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def _show(axes) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def _fsdp_mesh(mesh, owned: tuple[str, ...], replicate: dict):
+    """The mesh FSDP2 runs on, and ``{its dim: the plan axes its pieces are distinct over}``:
+    1-D over the plan's FSDP axes (several flattened into one dim, ``"dp_cp"``), or under
+    HSDP 2-D ``(dp_replicate, dp_shard_cp)`` (the replicate dim spans no axis whole)."""
+    names = mesh.mesh_dim_names or ()
+    shard = tuple(replicate[a][1] if a in replicate else a for a in owned)
+    if len(shard) == 1:
+        s_name, s_mesh = shard[0], (mesh if names == shard else _dim(mesh, shard[0]))
+    else:
+        s_name = "_".join(shard)
+        s_mesh = mesh[shard]._flatten(s_name)
+    if not replicate:
+        return s_mesh, {s_name: owned}
+    ((_, (r_name, _)),) = replicate.items()
+    with warnings.catch_warnings():  # slicing a flattened dim from its root: the 2-D mesh HSDP takes
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        hsdp = mesh[(r_name, s_name)]
+    return hsdp, {r_name: (), s_name: owned}
+
+
+def _dim(mesh, name: str):
+    with warnings.catch_warnings():  # a flattened dim ("dp" under HSDP) sliced from its root
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[name]
+
+
+def _has_dim(mesh, name: str) -> bool:
+    if name in (mesh.mesh_dim_names or ()):
+        return True
+    try:
+        _dim(mesh, name)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _backend(mesh) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(mesh.get_group(mesh.ndim - 1)))
+
+
+def require_fully_shard(gm: fx.GraphModule, axes: tuple[str, ...]) -> None:
+    """Mark ``gm`` as owing ``axes`` to FSDP2: calling it before :func:`fully_shard`
+    raises (its gradients on the axes would never be synced)."""
+    program_meta(gm, create=True).fsdp = _axes(axes)
     gm.register_forward_pre_hook(_check_fully_sharded)
 
 
@@ -98,7 +188,7 @@ def _check_fully_sharded(module, args) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, FSDPModule):
-        axis = program_meta(module).fsdp
-        raise PlanError(f"this module's plan gives axis {axis!r} to FSDP2 (Plan(fsdp={axis!r})), so fxshard syncs no "
+        axis = _show(program_meta(module).fsdp)
+        raise PlanError(f"this module's plan gives axis {axis} to FSDP2 (Plan(fsdp={axis})), so fxshard syncs no "
                         f"gradient on it, and FSDP2 is not applied yet\n  fix: call fxshard.fully_shard(sharded, mesh) "
-                        f"before the first step (or transform without fsdp= to let fxshard sum the gradients over {axis!r})")
+                        f"before the first step (or transform without fsdp= to let fxshard sum the gradients over {axis})")

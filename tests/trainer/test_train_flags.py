@@ -53,6 +53,7 @@ def refused(capsys, *argv) -> str:
     (["--mesh", "tp=2"], "has 2 ranks, but 1 processes run"),
     (["--mesh", "tp"], "is not AXIS=SIZE"),
     (["--mesh", "tp=2,tp=2"], "given twice"),
+    (["--mesh", "dp_replicate=2,cp=2"], "dp_replicate=2 (HSDP) replicates the parameters"),
     (["--model", "foo"], "torchtitan-llama3"),
     (["--model", "./no/such/dir"], "no such directory"),
     (["--microbatches", "2"], "without a pp axis"),

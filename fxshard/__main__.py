@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 2 -m fxshard demo     # NCCL on GPUs
     torchrun --nproc-per-node 4 -m fxshard train --model DIR --data book.txt --mesh dp=2,tp=2   # the trainer
     python -m fxshard export ckpt/step000100 out/model                                         # to transformers
-    python -m fxshard plan --model DIR --world 64 --memory 80 --seq 8192 --global-batch 512    # which mesh
+    python -m fxshard plan --model DIR --world 64 --memory-gib 80 --seq 8192 --batch 512    # which mesh
     python -m fxshard dump 'fxshard.testing.models:llama(n_heads=8,n_kv_heads=4)' --plan fxshard.testing.models:llama_plan --mesh tp=4
 """
 from __future__ import annotations

@@ -5,7 +5,9 @@
     python -m fxshard export ckpt/step000100 out/model
 
 A flag, file or mesh the trainer cannot run is said on stderr before any work, with exit
-status 2 (:class:`fxshard.trainer.errors.TrainerError`).
+status 2 (:class:`fxshard.trainer.errors.TrainerError`); under torchrun once, by the first
+rank that failed (:func:`run_train`). Ctrl-C ends with one line naming the last committed
+checkpoint (exit status 130).
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ def add_parsers(sub) -> None:
 
 def resolve_auto_mesh(args) -> None:
     """``--mesh auto``: the best entry of ``fxshard.plan_parallelism`` for this model, process
-    count, ``--seq``, ``--batch`` and ``--memory-gib`` (every rank plans the same, before the
-    process group exists), with the pipeline flags and activation checkpointing it names
-    unless given; ``args`` is updated in place and the choice printed."""
+    count, ``--seq``, ``--batch`` and ``--memory-gib`` (default: the device's, a CPU's memory
+    over ``LOCAL_WORLD_SIZE``; every rank plans the same, before the process group exists),
+    with the gradient-accumulation passes (``--accum``: kept when above 1), the pipeline flags
+    and activation checkpointing it names unless given; ``args`` is updated in place and the
+    choice printed by rank 0."""
     import os
 
     from fxshard.errors import PlanError
@@ -40,7 +44,9 @@ def resolve_auto_mesh(args) -> None:
     source.positions = args.seq
     model = source.build_meta(source.vocab_size(-(-257 // VOCAB_MULTIPLE) * VOCAB_MULTIPLE))
     try:
-        entries = plan_parallelism(model, world, memory_gib=args.memory_gib, seq=args.seq, global_batch=args.batch)
+        entries = plan_parallelism(model, world, memory_gib=args.memory_gib, seq=args.seq, global_batch=args.batch,
+                                   device="cpu" if args.device == "cpu" else None, dtype="bf16" if args.bf16 else "fp32",
+                                   accum=args.accum if args.accum > 1 else None)
     except PlanError as e:
         raise TrainerError(f"--mesh auto: the planner refused: {e}") from None
     best = next((e for e in entries if e.fits), None)
@@ -49,11 +55,13 @@ def resolve_auto_mesh(args) -> None:
         raise TrainerError(f"--mesh auto: no mesh of {world} processes fits ({why})\n  fix: more processes or "
                            f"--memory-gib, a smaller --batch or --seq; python -m fxshard plan lists every candidate")
     args.mesh = best.mesh_spec
+    args.accum = best.accum  # the planner's passes (the user's, when --accum was above 1)
     if best.mesh.get("pp", 1) > 1:
         args.microbatches = args.microbatches or best.microbatches
         args.schedule = args.schedule or best.schedule
         args.virtual_stages = args.virtual_stages or (best.virtual if best.virtual > 1 else None)
-    args.activation_checkpointing = args.activation_checkpointing or best.activation_checkpointing
+    if args.activation_checkpointing is None:  # not given: the planner's mode (none, selective or full)
+        args.activation_checkpointing = best.activation_checkpointing
     args.memory_gib = None  # spent: the run itself has no use for it
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"mesh auto: {best.trainer_flags() or 'one process'} (predicted {best.step_time_s:.3g} s a step, "
@@ -62,25 +70,56 @@ def resolve_auto_mesh(args) -> None:
 
 
 def run_train(args) -> int:
-    from fxshard.trainer.loop import run
+    """The trainer's top level: the run's exit status, and what a failed or stopped run says,
+    said once.
+
+    * a TrainerError / PlanError (a flag, file, mesh or checkpoint it cannot use): its message
+      on stderr, exit status 2; under torchrun only from the first rank that failed (rank 0
+      for what every rank checks before the processes meet), the other ranks exit 2 silently;
+    * any other error under torchrun: the first rank's traceback, once; exit status 1;
+    * Ctrl-C (SIGINT, which torchrun passes on to its workers): one line naming the last
+      committed checkpoint, from rank 0; exit status 130.
+    """
+    import os
+
+    from fxshard.errors import PlanError
+    from fxshard.trainer.loop import claim_failure, interrupted_message, run
 
     try:
         if args.mesh == "auto":
             resolve_auto_mesh(args)
         return run(args)
-    except TrainerError as e:
-        print(f"fxshard train: error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # before the run began (run() says its own)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(interrupted_message(args.ckpt_dir), file=sys.stderr, flush=True)
+        return 130
+    except (TrainerError, PlanError) as e:
+        if claim_failure():
+            print(f"fxshard train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except ImportError:  # a missing extra: python -m fxshard names it
+        raise
+    except Exception:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            raise
+        if claim_failure():  # the first rank's traceback; the others' are its echo (peers gone)
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+        return 1
 
 
 def run_export(args) -> int:
     from fxshard.trainer.export import export_checkpoint
     from fxshard.trainer.models import require
 
+    from fxshard.errors import PlanError
+
     try:
         require("transformers")
         out = export_checkpoint(args.checkpoint, args.output, args.model_dir)
-    except TrainerError as e:
+    except (TrainerError, PlanError) as e:
         print(f"fxshard export: error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"exported {args.checkpoint} to {out}", flush=True)

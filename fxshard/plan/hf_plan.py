@@ -76,7 +76,10 @@ What the importer adds to HF's plan:
   stream and keep their spec); colwise projections in the layers take a ``Shard(1)``
   input (one all-gather per value: q/k/v share it), rowwise ones reduce-scatter to
   ``Shard(1)``; the LM head gathers its input, or, with no planned head, the final
-  norm gathers its output.
+  norm gathers its output.  A child of the decoder layers that holds routed experts (a
+  module whose class ends in ``Experts``: Mixtral's and Qwen3-MoE's MoE blocks flatten
+  batch and sequence to route tokens) takes whole sequences: its input is all-gathered
+  on entry, its output sliced back to ``Shard(1)``, and the entries inside it stay plain TP.
 - ``loss_parallel=True``: the LM head keeps its logits vocab-sharded (``Shard(-1)``).
 - GPT-2 (``model_type "gpt2"``), for which HF ships no plan, gets fxshard's
   (:data:`FXSHARD_PLANS`).
@@ -652,13 +655,23 @@ def _sequence_parallel(specs: dict[str, ModuleSpec], model, modules, axis: str) 
                         f"(an nn.ModuleList child); sequence parallelism needs the layers' norms and projections")
     specs = dict(specs)
     inside = tuple(f"{fqn}." for fqn, _ in lists)
+    moe = [p for fqn, layers in lists for p in _routed_blocks(fqn, layers)]
+    moe_fqns = [f for f in modules if any(pattern_regex(p).fullmatch(f) for p in moe)]
+    for key in specs:
+        if any(pattern_regex(key).fullmatch(f) for f in moe_fqns):
+            raise PlanError(f"Plan.from_hf(sequence_parallel=True): the MoE block entry {key!r} is in HF's plan; "
+                            f"sequence parallelism gathers the block's input itself")
     for pattern, spec in specs.items():  # projections in the layers
+        if moe_fqns and _in_blocks(pattern, modules, moe_fqns):
+            continue  # inside an MoE block: it runs on the gathered sequence, as plain TP
         if pattern.startswith(inside) and _family(spec) == "colwise":
             specs[pattern] = replace(spec, in_src=seq)  # all-gathered on entry (once per value)
         elif pattern.startswith(inside) and _family(spec) == "rowwise":
             specs[pattern] = replace(spec, out_dst=seq)  # reduce-scatter instead of all-reduce
     for fqn, layers in lists:
         _add(specs, _residual_norms(fqn, layers), seq_norm(axis))
+    for pattern in moe:
+        specs[pattern] = ModuleSpec(inputs={axis: Replicate()}, out_dst=seq, style="sequence_parallel (MoE block: gathered)")
 
     emb, head = _embeddings(model)
     head_key, head_spec = _spec_of(specs, _fqn(modules, head)) if head is not None else (None, None)
@@ -698,6 +711,35 @@ def _residual_norms(list_fqn: str, layers: nn.ModuleList) -> list[str]:
         else:
             out += [f"{list_fqn}.{idx}.{name}" for idx, is_norm in flags if is_norm]
     return out
+
+
+def _routed_blocks(list_fqn: str, layers: nn.ModuleList) -> list[str]:
+    """Patterns of the children of the decoder layers that hold routed experts (a module
+    whose class ends in ``Experts``: Mixtral's, Qwen3-MoE's): they flatten batch and sequence
+    to route tokens, so under sequence parallelism they take whole sequences."""
+    kinds: dict[str, list[tuple[str, bool]]] = {}
+    for idx, layer in layers.named_children():
+        for name, child in layer.named_children():
+            routed = any(type(m).__name__.endswith("Experts") for m in child.modules())
+            kinds.setdefault(name, []).append((idx, routed))
+    out = []
+    for name, flags in kinds.items():
+        if all(r for _, r in flags):
+            out.append(f"{list_fqn}.*.{name}")
+        else:
+            out += [f"{list_fqn}.{idx}.{name}" for idx, r in flags if r]
+    return out
+
+
+def _in_blocks(pattern: str, modules: dict, blocks: list[str]) -> bool:
+    """Whether the modules plan entry ``pattern`` matches lie inside the modules ``blocks``
+    (all of them; some only is a PlanError: the entry must be split per layer)."""
+    hits = [f for f in modules if pattern_regex(pattern).fullmatch(f)]
+    inside = [any(f.startswith(b + ".") for b in blocks) for f in hits]
+    if any(inside) and not all(inside):
+        raise PlanError(f"Plan.from_hf(sequence_parallel=True): entry {pattern!r} matches modules inside MoE blocks "
+                        f"and outside them; sequence parallelism treats the two differently: split the entry per layer")
+    return bool(hits) and all(inside)
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -2,15 +2,19 @@
 
 Per pipeline rank (all ranks are alike without pp):
 
-- **which blocks**: pp cuts the stack where ``fxshard.pipeline_transform`` cuts it: the same
-  cost shares (FLOPs, parameter bytes, activation bytes of each unit, from the program's
-  recorded shapes at one micro-batch) and the same balance;
-- **memory**: parameters are the program's local shapes, divided by FSDP2 over dp the way it
-  divides them (dim 0 padded to a multiple of dp); gradients as many bytes (fp32); AdamW two
-  states of the same size.  Activations: what each block keeps for the backward at this
+- **which blocks**: pp cuts the stack where ``fxshard.pipeline_transform`` cuts it: one function,
+  ``fxshard.pipelining.stage_costs`` (FLOPs, parameter bytes, activation bytes of each unit, from
+  the program's recorded shapes at one micro-batch, a block's whatever wraps it) and its balance;
+- **memory**: parameters are the program's local shapes, divided by FSDP2 over dp x cp (dp
+  under pp) the way it divides them (dim 0 padded to a multiple of that); gradients as many bytes (fp32), and under
+  gradient accumulation (``accum > 1``) with FSDP2 the unsharded fp32 gradients it accumulates
+  between the passes (the trainer's ``no_sync``: ``set_requires_gradient_sync(False)``); AdamW
+  two states of the same size.  Activations: what each block keeps for the backward at this
   micro-batch's rows, times the micro-batches in flight (1F1B: ``pp - rank``; GPipe: all;
-  interleaved: torch's warm-up); with activation checkpointing each block keeps its inputs
-  and one block's recompute is alive.  ``transient``: under FSDP2, two blocks gathered
+  interleaved: torch's warm-up); with full activation checkpointing each block keeps its
+  inputs and one block's recompute is alive; with selective (per op) also its saved ops'
+  outputs (matmuls, attention, collectives: measured with the trainer's policy), and one
+  block's recomputation of the rest; ``selective:K``: every K-th block in full.  ``transient``: under FSDP2, two blocks gathered
   (the current one and the prefetched) with one block's unsharded gradients, and the root's
   parameters, which FSDP2 keeps gathered from the forward to the backward;
 - **communication** per step and axis, counted as ``fxshard.comm_summary`` counts (a call's
@@ -20,7 +24,8 @@ Per pipeline rank (all ranks are alike without pp):
   and again in the backward for blocks) and reduce-scatters;
 - **time**: a roofline per micro-batch (matmul FLOPs at the calibrated rate, the bytes of every
   other kernel at the memory bandwidth, a fixed cost per kernel; backward twice the forward,
-  plus one forward of every block under checkpointing), each collective's latency plus its
+  plus one forward of every checkpointed block under full checkpointing, the ops it does not
+  save under selective), each collective's latency plus its
   ring bytes over its link (within a node or not, from where the axis's ranks sit), the
   pipeline's ``(M + pp - 1)`` slots of the slowest rank (interleaved: ``M + (pp - 1) / v``),
   FSDP2's transfers where they outlast the compute they overlap (the calibration's ``overlap``:
@@ -38,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from fxshard.plan.pipeline import pipeline
+from fxshard.pipelining.stage_costs import balanced_stages
 from fxshard.planner.calibration import Calibration
 from fxshard.planner.candidates import TRAINER_ORDER, Candidate
 from fxshard.planner.facts import ROWS, ProgramFacts, UnitFacts
@@ -78,9 +84,10 @@ class Estimate:
 def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, cal: Calibration,
              bf16: bool = False) -> Estimate:
     m = c.mesh
-    dp, pp, v, M = m["dp"], m["pp"], c.virtual, c.microbatches
+    dp, pp, v, M, A = m["dp"], m["pp"], c.virtual, c.microbatches, c.accum
+    fsdp = dp * (m.get("cp", 1) if pp == 1 else 1)  # FSDP2 shards over dp x cp (the trainer's; under pp over dp)
     n = facts.n_blocks
-    rows = global_batch / (dp * M)  # one micro-batch on one rank
+    rows = c.micro_rows(global_batch)  # one micro-batch on one rank: of one of the A accumulation passes
     spec = _spec(c)
     stage_of_block = _stages(facts, c, global_batch) if pp > 1 else [0] * n
     num_stages = pp * v if pp > 1 else 1
@@ -92,23 +99,28 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         blocks = [i for s in stages for i in stage_blocks[s]]
         first, last = 0 in stages, num_stages - 1 in stages
         units = [facts.block(i) for i in blocks] + ([facts.before] if first else []) + ([facts.after] if last else [])
-        params = sum(_fsdp_bytes(u.params, dp) for u in units)
+        params = sum(_fsdp_bytes(u.params, fsdp) for u in units)
         if last and not first:  # a tied embedding and head: the last stage holds a copy
-            params += _fsdp_bytes([p for p in facts.before.params if p[0] in facts.tied], dp)
-        act = sum(_stage_activations(facts, stage_blocks, s, num_stages, rows, c.activation_checkpointing) for s in stages)
+            params += _fsdp_bytes([p for p in facts.before.params if p[0] in facts.tied], fsdp)
+        ac_mode, ckpt = _checkpointed(c, blocks)
+        act = sum(_stage_activations(facts, stage_blocks, s, num_stages, rows, ac_mode, ckpt) for s in stages)
         act *= _in_flight(c, r) / len(stages)
-        memory = {"params": params, "grads": params, "optimizer": 2 * params, "activations": act,
-                  "transient": _fsdp_transient(facts, blocks, first, last, dp, bf16)}
+        # accumulating, FSDP2 keeps each block's unsharded gradient (fp32, its reduce dtype) until the last pass
+        accumulated = sum(u.param_bytes for u in units) if A > 1 and fsdp > 1 else 0.0
+        memory = {"params": params, "grads": params + accumulated, "optimizer": 2 * params, "activations": act,
+                  "transient": _fsdp_transient(facts, blocks, first, last, fsdp, bf16)}
         memory["total"] = sum(memory.values())
-        comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal, pipelined=pp > 1, recompute=c.activation_checkpointing)
+        comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal, pipelined=pp > 1, recompute=len(ckpt) / len(blocks) if blocks else 0.0, mode=ac_mode)
         p2p, p2p_s = _p2p(facts, stage_blocks, stages, spec, c, r, rows, act_scale, m, cal)
         for a, b in p2p.items():
             comm[a] = comm.get(a, 0.0) + b
-        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, dp, M, pp, bf16, m, cal)
+        comm = {a: b * A for a, b in comm.items()}  # each pass runs the program's collectives and the pipeline's sends
+        fsdp_axis = "dp" if dp > 1 else "cp"  # the outer of FSDP2's axes: its link spans both
+        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, M, pp, bf16, m, cal, accum=A, axis=fsdp_axis)
         if fsdp_bytes:
-            comm["dp"] = comm.get("dp", 0.0) + fsdp_bytes
+            comm[fsdp_axis] = comm.get(fsdp_axis, 0.0) + fsdp_bytes
         fwd = sum(_forward_seconds(u, rows, cal) for u in units)
-        recompute = sum(_forward_seconds(facts.block(i), rows, cal) for i in blocks) if c.activation_checkpointing else 0.0
+        recompute = sum(_recompute_seconds(facts.block(i), rows, cal, ac_mode) for i in ckpt)
         ranks.append(RankEstimate(r, stages, blocks, memory, comm, {
             "compute": 3 * fwd + recompute, "comm": comm_s + p2p_s, "fsdp": fsdp_s, "fsdp_exposed": first_gather_s,
             "optimizer": 7 * params / (cal.memory_gbps * 1e9)}))
@@ -123,10 +135,11 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         per_mb = max(rk.seconds["compute"] + rk.seconds["comm"] for rk in ranks)
         node_work = sum(rk.seconds["compute"] for rk in ranks) * M * ranks_per_node / pp
         pipeline_s = max(slots * per_mb, node_work / cal.cores if cal.cores else 0.0)
-    compute_s = max(rk.seconds["compute"] for rk in ranks) * M
-    fsdp_s = max(max(0.0, rk.seconds["fsdp"] - cal.overlap * compute_s) + cal.overlap * rk.seconds["fsdp_exposed"]
+    compute_s = max(rk.seconds["compute"] for rk in ranks) * M * A
+    # each pass starts with an all-gather that nothing overlaps
+    fsdp_s = max(max(0.0, rk.seconds["fsdp"] - cal.overlap * compute_s) + cal.overlap * A * rk.seconds["fsdp_exposed"]
                  for rk in ranks)
-    step = pipeline_s + fsdp_s + max(rk.seconds["optimizer"] for rk in ranks) * shared
+    step = A * pipeline_s + fsdp_s + max(rk.seconds["optimizer"] for rk in ranks) * shared
     return Estimate(ranks, step)
 
 
@@ -144,51 +157,19 @@ def _spec(c: Candidate):
 
 
 def _stages(facts: ProgramFacts, c: Candidate, global_batch: int) -> list[int]:
-    """The stage of each block, as ``pipeline_transform`` balances them: its example is one
-    micro-batch of global rows, and under FSDP2 (dp) it sees the blocks split out."""
-    costs = facts.balance["split" if c.mesh["dp"] > 1 else "flat"]
-    scale = global_batch / c.microbatches / ROWS
-
-    def unit(name):
-        flops, params, act = costs[name]
-        return flops * scale, params, act * scale
-
-    units = [unit(BEFORE)] + [unit(facts.captured[facts.planned.source_block(i, facts.captured)])
-                              for i in range(facts.n_blocks)] + [unit(AFTER)]
-    totals = [sum(u[k] for u in units) or 1 for k in range(3)]
-    share = [sum(u[k] / totals[k] for k in range(3)) / 3 for u in units]
-    return balance(share, c.mesh["pp"] * c.virtual)
-
-
-def balance(share: list[float], num_stages: int) -> list[int]:
-    """The stage of each block (``share``: before, blocks..., after) minimizing the largest
-    stage's share, contiguous, one block at least per stage: the dynamic program of
-    ``fxshard.pipelining.stages``, so the planner cuts where the pipeline will."""
-    blocks = share[1:-1]
-    n = len(blocks)
-    prefix = [0.0]
-    for x in blocks:
-        prefix.append(prefix[-1] + x)
-
-    def cost(i, j, s):
-        return prefix[j] - prefix[i] + (share[0] if s == 0 else 0) + (share[-1] if s == num_stages - 1 else 0)
-
-    best = {(0, 0): (0.0, None)}
-    for s in range(num_stages):
-        for i in range(n):
-            if (s, i) not in best:
-                continue
-            for j in range(i + 1, n - (num_stages - s - 1) + 1):
-                value = max(best[(s, i)][0], cost(i, j, s))
-                if (s + 1, j) not in best or value < best[(s + 1, j)][0] - 1e-12:
-                    best[(s + 1, j)] = (value, i)
-    stage_of_block, j = [0] * n, n
-    for s in range(num_stages, 0, -1):
-        i = best[(s, j)][1]
-        for b in range(i, j):
-            stage_of_block[b] = s - 1
-        j = i
-    return stage_of_block
+    """The stage of each block, where ``pipeline_transform`` cuts: ``fxshard.pipelining.stage_costs``'s
+    balance of the same unit costs (whatever wraps the blocks: FSDP2, tp / cp / ep), each captured
+    block standing for the blocks of its kind, at the trainer's example: one micro-batch of global
+    rows (of one accumulation pass)."""
+    rows = global_batch / (c.accum * c.microbatches) / ROWS
+    # one cut per (rows, stages) of a program: the AC modes, schedules and accumulation passes of a
+    # mesh share it (a dynamic program over 126 blocks is most of 405B's planning time)
+    cache = vars(facts).setdefault("_stage_cuts", {})
+    key = (rows, c.mesh["pp"] * c.virtual)
+    if key not in cache:
+        units = [BEFORE] + [facts.captured[facts.planned.source_block(i, facts.captured)] for i in range(facts.n_blocks)] + [AFTER]
+        cache[key] = balanced_stages([facts.balance[u].scaled(rows) for u in units], key[1])
+    return list(cache[key])
 
 
 def _in_flight(c: Candidate, pp_rank: int) -> float:
@@ -217,11 +198,25 @@ def _fsdp_bytes(params, dp: int) -> float:
     return total
 
 
-def _stage_activations(facts: ProgramFacts, stage_blocks, s: int, num_stages: int, rows: float, checkpointing: bool) -> float:
+def _checkpointed(c: Candidate, blocks: list[int]) -> tuple[str, set[int]]:
+    """The candidate's activation checkpointing mode (``none``, ``full``, ``selective``) and the
+    blocks of this rank it checkpoints: all, or every K-th of the rank's (``selective:K``, in
+    full), as ``fxshard.checkpoint_blocks`` counts them."""
+    mode, every = c.checkpointing
+    if mode == "none":
+        return mode, set()
+    return mode, {b for j, b in enumerate(blocks, 1) if j % every == 0}
+
+
+def _stage_activations(facts: ProgramFacts, stage_blocks, s: int, num_stages: int, rows: float, mode: str | bool,
+                       ckpt: set[int] | None = None) -> float:
     """Bytes stage ``s`` keeps for one micro-batch.  A block's output is counted in the block
     (its maker), so a stage that sends its last output on subtracts it, and a stage after the
     first keeps what it receives (the hidden state, rotary tables: what the blocks keep of
-    what the part before them made)."""
+    what the part before them made).  ``mode``: the activation checkpointing of the blocks in
+    ``ckpt`` (``True``: full on all): ``full`` keeps a block's inputs and one block's
+    recomputation is alive at a time; ``selective`` keeps its inputs and its saved ops'
+    outputs (measured with the trainer's policy), and the recomputation of the rest of one."""
     blocks = stage_blocks[s]
     if not blocks:
         return 0.0
@@ -229,7 +224,26 @@ def _stage_activations(facts: ProgramFacts, stage_blocks, s: int, num_stages: in
     edge = facts.before.saved.at(rows) if first_stage else facts.before.shared.at(rows)
     if last_stage:
         edge += facts.after.saved.at(rows)
-    if checkpointing:  # each block keeps its inputs; one block's recompute is alive at a time
+    mode = "full" if mode is True else "none" if mode is False else mode
+    ckpt = set(blocks) if ckpt is None else ckpt & set(blocks)
+    if mode == "none" or not ckpt:
+        mode = "none"
+    elif mode == "selective" or len(ckpt) < len(blocks):  # block by block: its own kept bytes
+        kept, working = 0.0, 0.0
+        for i in blocks:
+            u = facts.block(i)
+            if i not in ckpt:
+                kept += u.saved.at(rows)
+            elif mode == "selective":  # its output (the next one's input) and its saved ops' outputs
+                kept += _grad_inputs(u, rows) + u.selective_saved.at(rows)
+                working = max(working, u.saved.at(rows) - u.selective_saved.at(rows))
+            else:
+                kept += _grad_inputs(u, rows)
+                working = max(working, u.saved.at(rows))
+        if not last_stage:
+            kept -= _grad_inputs(facts.block(blocks[-1]), rows)  # its output is sent, not kept
+        return edge + kept + working
+    if mode == "full":  # each block keeps its inputs; one block's recompute is alive at a time
         kept = sum(_grad_inputs(facts.block(i), rows) for i in blocks[1:])
         if last_stage:
             kept += _grad_inputs(facts.block(blocks[-1]), rows)  # the last output, kept by the final norm
@@ -276,15 +290,19 @@ def _collective_seconds(kind: str, nbytes: float, n: int, link) -> float:
     return steps * (link.latency_us * 1e-6 + nbytes / n / (link.gbps * 1e9) * (1 if steps > 1 else n))
 
 
-def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration, pipelined: bool, recompute: bool):
-    """Bytes per axis in a step, and seconds per micro-batch, of the program's own collectives
-    (a checkpointed block's forward collectives run again when the backward recomputes it)."""
+def _plan_comm(units, rows: float, M: int, bf16: bool, mesh: dict, cal: Calibration, pipelined: bool, recompute: float,
+               mode: str = "full"):
+    """Bytes per axis in a step, and seconds per micro-batch, of the program's own collectives.
+    ``recompute``: the share of the blocks whose forward runs again in the backward; under
+    ``full`` checkpointing all their forward collectives run again, under ``selective`` their
+    all-gathers only (the other collectives' outputs are saved)."""
     bytes_, seconds = {}, 0.0
     for u in units:
         for f in u.comm:
             if f.guard and pipelined:
                 continue
-            times = 2 if recompute and f.phase == "forward" and u.name not in (BEFORE, AFTER) else 1
+            again = recompute if mode == "full" or (mode == "selective" and f.kind == "all_gather") else 0.0
+            times = 1 + again if f.phase == "forward" and u.name not in (BEFORE, AFTER) else 1
             b = f.bytes * f.scale(rows) * (0.5 if bf16 and f.floating else 1.0)
             bytes_[f.axis] = bytes_.get(f.axis, 0.0) + b * M * times
             seconds += times * _collective_seconds(f.kind, b, f.axis_size, _link(f.axis, mesh, cal))
@@ -319,12 +337,14 @@ def _p2p(facts, stage_blocks, stages, spec, c: Candidate, r: int, rows: float, a
     return out, seconds
 
 
-def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Calibration):
+def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Calibration, accum: int = 1,
+               axis: str = "dp"):
     """FSDP2's bytes per step on this rank, the seconds they take, and the seconds of the first
-    all-gather (nothing to overlap it with)."""
+    all-gather (nothing to overlap it with).  Each of ``accum`` passes gathers again; the
+    reduce-scatter runs once, after the last (the passes before it under ``no_sync``)."""
     if dp == 1:
         return 0.0, 0.0, 0.0
-    link = _link("dp", mesh, cal)
+    link = _link(axis, mesh, cal)
     gather_size = 0.5 if bf16 else 1.0
     total, seconds, first = 0.0, 0.0, 0.0
     for u in units:
@@ -334,7 +354,7 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
             continue
         # a block is gathered for each micro-batch's forward and once for the backward (torch's stage keeps it
         # gathered until the last micro-batch's); the root (before, after) once: it is not resharded in between
-        gathers = 1 if u.name in (BEFORE, AFTER) else M + 1
+        gathers = (1 if u.name in (BEFORE, AFTER) else M + 1) * accum
         g = padded * gather_size
         total += gathers * g + padded
         t = _collective_seconds("all_gather", g, dp, link)
@@ -343,9 +363,21 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
     return total, seconds, first
 
 
+def _recompute_seconds(u: UnitFacts, rows: float, cal: Calibration, mode: str) -> float:
+    """A checkpointed block's recomputation in the backward: its forward (``full``), or the
+    ops selective checkpointing does not save (``selective``: norms, activations, rotary, every
+    other ``mm``)."""
+    full = _forward_seconds(u, rows, cal)
+    if mode != "selective":
+        return full
+    skipped = (u.selective_skip_flops.at(rows) / (cal.matmul_tflops * 1e12)
+               + u.selective_skip_bytes.at(rows) / (cal.memory_gbps * 1e9) + u.selective_skip_kernels.at(rows) * cal.kernel_us * 1e-6)
+    return max(0.0, full - skipped)
+
+
 def _forward_seconds(u: UnitFacts, rows: float, cal: Calibration) -> float:
     return (u.matmul_flops.at(rows) / (cal.matmul_tflops * 1e12) + u.other_bytes.at(rows) / (cal.memory_gbps * 1e9)
             + u.kernels.at(rows) * cal.kernel_us * 1e-6)
 
 
-__all__ = ["estimate", "Estimate", "RankEstimate", "balance", "MEMORY_KEYS"]
+__all__ = ["estimate", "Estimate", "RankEstimate", "MEMORY_KEYS"]

@@ -12,7 +12,8 @@ captured block, "<after>" the last with the loss):
 
 - ``params``: the local shape of every parameter this rank holds (the transformed program's);
 - ``comm``: the rows of ``fxshard.comm_summary`` of the program, per micro-batch;
-- ``saved``, ``matmul_flops``, ``other_bytes``, ``kernels`` and the tensors a block takes from
+- ``saved``, ``matmul_flops``, ``other_bytes``, ``kernels``, what selective activation
+  checkpointing keeps and skips (``selective_*``) and the tensors a block takes from
   outside (what a pipeline cut in front of it sends): from two forward runs on the meta device
   at ``ROWS`` and ``2 ROWS`` rows, so that each is an :class:`Affine` function of the rows of
   a micro-batch (rotary tables do not grow with the batch, hidden states do).
@@ -36,6 +37,7 @@ from fxshard.errors import PlanError
 from fxshard.meta import program_meta
 from fxshard.frontend.trace import trace
 from fxshard.plan.mesh import MeshSpec
+from fxshard.pipelining.stage_costs import StageCost, unit_costs
 from fxshard.plan.plan import Plan
 from fxshard.planner.model import PlannedModel
 from fxshard.planner.offline import AFTER, BEFORE, ForwardCounts, measure_forward, offline_mesh
@@ -115,6 +117,12 @@ class UnitFacts:
     kernels: Affine = Affine()
     comm: list[CommFact] = field(default_factory=list)
     inputs: list[tuple[Affine, bool]] = field(default_factory=list)  # a block's tensors from outside: bytes, carries grad
+    # under selective activation checkpointing (offline.measure_forward asks the trainer's op policy): the bytes of
+    # the block's saved op outputs, and the forward's matmul FLOPs, other bytes and kernels its recomputation skips
+    selective_saved: Affine = Affine()
+    selective_skip_flops: Affine = Affine()
+    selective_skip_bytes: Affine = Affine()
+    selective_skip_kernels: Affine = Affine()
 
     @property
     def param_bytes(self) -> int:
@@ -131,8 +139,8 @@ class ProgramFacts:
     captured: list[str]  # the program's block FQNs (the captured prefix)
     tied: list[str]  # parameters read both before and after the blocks (held by the first and last stage)
     # the costs fxshard.pipeline_transform balances its stages by, per unit, at ROWS rows (global shapes):
-    # (FLOPs, parameter bytes, activation bytes) of the flat program, and of the one whose blocks FSDP2 split out
-    balance: dict[str, dict[str, tuple[int, int, int]]] = field(default_factory=dict)
+    # fxshard.pipelining.stage_costs.unit_costs of the program (the same under FSDP2, which splits the blocks out)
+    balance: dict[str, StageCost] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -230,6 +238,7 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
     """The facts of ``subplan``'s program, its forward run in ``dtype`` (bf16: the parameters
     FSDP2's mixed precision gathers).  A plan the model refuses is its ``PlanError``."""
     from fxshard.trainer.loop import token_loss_sum
+    from fxshard.trainer.parallelize import sharded_logits
 
     t0 = time.perf_counter()
     planned, seq = captures.planned, captures.seq
@@ -245,14 +254,21 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
         tied = _fill_params(units, program, captured, unit_of_node)  # fp32, as the trainer keeps them
         summary = comm_summary(program)
         pieces = equal_pieces(program)
-        balance = {"flat": balance_costs(program, captured, flat=True), "split": balance_costs(program, captured, flat=False)}
+        balance = {c.name: c for c in unit_costs(program, captured)}
         if dtype != torch.float32:
             program.to(dtype)
         seq_local = seq // subplan.cp
-        runs = [measure_forward(program, name, rows, seq_local, token_loss_sum, captured) for rows in (ROWS, 2 * ROWS)]
+        vocab = sharded_logits(plan, planned.model) or ()  # loss parallel: the trainer's loss on vocab shards
+        loss = lambda out, labels: token_loss_sum(out, labels, *vocab)  # noqa: E731
+        runs = [measure_forward(program, name, rows, seq_local, loss, captured) for rows in (ROWS, 2 * ROWS)]
     _fill_counts(units, runs)
+    # the trainer gives cp to FSDP2 (not under pp, where the sequence is gathered before the head): the program
+    # it runs syncs no parameter gradient on cp; FSDP2's reduce-scatter there is estimate's
+    param_syncs = _parameter_syncs(program, captured) if subplan.cp > 1 and not subplan.cp_gathered else set()
     for r in summary.rows:
         unit = next((b for b in captured if r.region == b or r.region.startswith(b + ".")), None)
+        if r.axis == "cp" and (unit or "", r.node) in param_syncs:
+            continue
         unit = unit or unit_of_node.get(r.node, AFTER)
         per_row = bool(r.shape) and r.shape[0] in (ROWS, ROWS * seq_local, ROWS * seq)
         units[unit].comm.append(CommFact(r.phase, r.kind, r.axis, r.axis_size, r.bytes, r.wire_bytes, per_row,
@@ -261,62 +277,18 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
     return ProgramFacts(subplan, planned, units, captured, tied, balance, time.perf_counter() - t0)
 
 
-def balance_costs(program: fx.GraphModule, captured: list[str], flat: bool) -> dict[str, tuple[int, int, int]]:
-    """Per unit, the (FLOPs, parameter bytes, activation bytes) by which ``pipeline_transform``
-    balances stages (``docs/pipeline.md``, "The spec"): from each node's recorded global shape,
-    a linear ``2 * out * in`` FLOPs, attention ``4 * q * keys``, anything else its output's
-    elements.  ``flat=False``: the program FSDP2 runs (``Plan(fsdp=...)``), whose blocks are one
-    ``call_module`` node each, and so are costed by their output alone."""
-    costs = {u: [0, 0, 0] for u in (BEFORE, *captured, AFTER)}
-    seen: dict[str, set] = {u: set() for u in costs}
-    current = BEFORE
-
-    def visit(n: fx.Node, unit: str, owner: str) -> None:
-        c = costs[unit]
-        c[0] += _node_flops(n)
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            c[2] += _numel(val.shape) * val.element_size()
-        for a in n.all_input_nodes:
-            target = f"{owner}{a.target}"
-            if a.op == "get_attr" and target not in seen[unit] and isinstance(a.meta.get("val"), torch.Tensor):
-                seen[unit].add(target)
-                c[1] += _numel(a.meta["val"].shape) * a.meta["val"].element_size()
-
-    for n in program.graph.nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
-        if n.op == "call_module" and n.target in captured:
-            current = n.target
-            if flat:
-                for inner in program.get_submodule(n.target).graph.nodes:
-                    if inner.op not in ("placeholder", "get_attr", "output"):
-                        visit(inner, current, n.target + ".")
-                continue
-        elif current != BEFORE:
-            current = AFTER
-        visit(n, current, "")
-    return {u: tuple(c) for u, c in costs.items()}
-
-
-def _node_flops(n: fx.Node) -> int:
-    import operator
-
-    import torch.nn.functional as F
-
-    out = n.meta.get("val")
-    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-    if n.op == "call_function" and n.target is F.linear and isinstance(args[1], torch.Tensor):
-        return 2 * _hinted(out) * _dim(args[1].shape[-1])
-    if n.target in (torch.matmul, operator.matmul, torch.bmm, "matmul", "bmm") and isinstance(args[0], torch.Tensor):
-        return 2 * _hinted(out) * _dim(args[0].shape[-1])
-    if n.target is F.scaled_dot_product_attention and all(isinstance(a, torch.Tensor) for a in args[:2]):
-        return 4 * _hinted(args[0]) * _dim(args[1].shape[-2])
-    return _hinted(out)
-
-
-def _hinted(t) -> int:
-    return _numel(t.shape) if isinstance(t, torch.Tensor) else 0
+def _parameter_syncs(program: fx.GraphModule, blocks: list[str]) -> set[tuple[str, str]]:
+    """``(block or "", node)`` of the gradient syncs of values computed from parameters alone
+    (no input above them): FSDP2 reduces those where it owns the axis."""
+    out = set()
+    for region, gm in [("", program)] + [(b, program.get_submodule(b)) for b in blocks]:
+        fed = set()
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" or any(a in fed for a in n.all_input_nodes):
+                fed.add(n)
+            elif n.op == "call_function" and getattr(n.target, "__name__", "") in PARAM_SYNCS:
+                out.add((region, n.name))
+    return out
 
 
 def _piece_check_rows(pieces, axes: dict[str, int]) -> list[CommFact]:
@@ -345,6 +317,8 @@ def _fill_counts(units: dict[str, UnitFacts], runs: list[ForwardCounts]) -> None
         u.matmul_flops = Affine.fit(a.matmul_flops, b.matmul_flops)
         u.other_bytes = Affine.fit(a.other_bytes, b.other_bytes)
         u.kernels = Affine.fit(a.kernels, b.kernels)
+        for f in ("selective_saved", "selective_skip_flops", "selective_skip_bytes", "selective_skip_kernels"):
+            setattr(u, f, Affine.fit(getattr(a, f), getattr(b, f)))
         u.inputs = [(Affine.fit(x, y), grad) for (x, grad), (y, _) in zip(small.inputs.get(name, ()), large.inputs.get(name, ()))]
 
 

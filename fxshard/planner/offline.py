@@ -15,7 +15,12 @@ the part after the last block with the loss):
   later pipeline stage receives and keeps them too);
 - ``matmul_flops`` (``torch.utils.flop_counter``'s formulas, attention included),
   ``other_bytes`` (bytes read and written by every other kernel that is not a view) and
-  ``kernels``.
+  ``kernels``;
+- for selective activation checkpointing, per block, what the trainer's op policy
+  (``fxshard.training.checkpointing.selective_policy``, asked about every op as the checkpoint
+  asks it) keeps: ``selective_saved``, the bytes of the unique storages its saved ops output
+  (matmuls but every other ``mm``, attention, collectives), and what the recomputation
+  skips because of them (``selective_skip_flops``, ``_bytes``, ``_kernels``).
 
 Attention runs as on a device: on the meta device ``scaled_dot_product_attention`` would take
 the math path and keep the ``[b, h, s, s]`` probabilities, which flash and memory-efficient
@@ -41,12 +46,23 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from fxshard.errors import PlanError
 from fxshard.runtime.collectives import bind_mesh
+from fxshard.training.checkpointing import selective_policy
 
 BEFORE, AFTER = "<before>", "<after>"
+
+
+class _Forward:
+    """What a checkpoint's policy is asked with (``SelectiveCheckpointContext``): the forward, not the recomputation."""
+
+    is_recompute = False
+
+
+_FORWARD = _Forward()
 
 
 def refuse_if_distributed() -> None:
@@ -86,6 +102,10 @@ class UnitCounts:
     matmul_flops: int = 0
     other_bytes: int = 0
     kernels: int = 0
+    selective_saved: int = 0  # a block under selective checkpointing: its saved ops' outputs
+    selective_skip_flops: int = 0  # ... and the FLOPs, bytes and kernels its recomputation skips
+    selective_skip_bytes: int = 0
+    selective_skip_kernels: int = 0
 
 
 @dataclass
@@ -121,7 +141,7 @@ class _DeviceAttention(torch.autograd.Function):
 
 
 class _Attention(TorchFunctionMode):
-    def __init__(self, on_attention: Callable[[int, int], None]):
+    def __init__(self, on_attention: Callable[[int, int, int], None]):
         super().__init__()
         self.on_attention = on_attention
 
@@ -134,7 +154,9 @@ class _Attention(TorchFunctionMode):
             # forward: Q K^T and P V, 2 flops each multiply-add; causal kernels skip the masked half
             flops = 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1] // (2 if causal else 1)
             moved = sum(t.numel() * t.element_size() for t in (q, k, v)) * 2
-            self.on_attention(flops, moved)
+            # what a device's attention kernel outputs (saved by selective checkpointing): the output, the lse
+            out = math.prod(q.shape[:-1]) * v.shape[-1] * q.element_size() + math.prod(q.shape[:-1]) * 4
+            self.on_attention(flops, moved, out)
             return _DeviceAttention.apply(q, k, v, mask)
         return func(*args, **kwargs)
 
@@ -152,6 +174,20 @@ class _Counter(TorchDispatchMode):
         self.counts, self.where = counts, where
         self.made: dict[int, str] = {}
         self.keep: list[torch.Tensor] = []  # alive until the end: a freed storage's address is not reused
+        self.policy = None  # inside a block: the selective checkpointing policy of its forward
+        self.selective: set[int] = set()  # storages the policy saves (counted once)
+
+    def _selective(self, unit: UnitCounts, func, args, kwargs, outs, flops: int, moved: int) -> None:
+        """Ask the block's selective-checkpointing policy about this op, as the checkpoint would."""
+        if self.policy is None or self.policy(_FORWARD, func, *args, **kwargs) != CheckpointPolicy.MUST_SAVE:
+            return
+        unit.selective_skip_flops += flops
+        unit.selective_skip_bytes += moved
+        unit.selective_skip_kernels += 1 if (flops or moved) else 0
+        for t in outs:
+            if _storage(t) not in self.selective:
+                self.selective.add(_storage(t))
+                unit.selective_saved += t.untyped_storage().nbytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -162,6 +198,7 @@ class _Counter(TorchDispatchMode):
             unit = self.counts.unit(self.where())
             unit.matmul_flops += 2 * out.numel() * a.shape[-1]
             unit.kernels += 1
+            self._selective(unit, func, args, kwargs, [out], 2 * out.numel() * a.shape[-1], 0)
             self.made.setdefault(_storage(out), self.where())
             self.keep.append(out)
             return out
@@ -172,14 +209,19 @@ class _Counter(TorchDispatchMode):
         in_storages = {_storage(t) for t in ins}
         fresh = [t for t in outs if _storage(t) not in in_storages]
         packet = func._overloadpacket
+        flops = moved = 0
         if packet in _ALLOCATIONS:
             pass  # memory handed out, no kernel
         elif packet in _MATMULS:
-            unit.matmul_flops += flop_registry[packet](*args, **kwargs, out_val=out)
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            unit.matmul_flops += flops
             unit.kernels += 1
         elif fresh:  # a view makes no kernel and moves nothing
-            unit.other_bytes += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in fresh)
+            moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in fresh)
+            unit.other_bytes += moved
             unit.kernels += 1
+        if packet not in _ALLOCATIONS:
+            self._selective(unit, func, args, kwargs, fresh, flops, moved)
         for t in fresh:
             self.made.setdefault(_storage(t), self.where())
             self.keep.append(t)
@@ -198,13 +240,18 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
 
     def enter(fqn, args, kwargs):
         state["unit"] = fqn
+        counter.policy = selective_policy()  # one per checkpointed forward: it counts the block's matmuls
         counts.inputs[fqn] = [(_nbytes(t), t.requires_grad and t.is_floating_point())
                               for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+    def leave() -> None:  # returns None: a forward hook's value would replace the block's output
+        state["unit"] = AFTER
+        counter.policy = None
 
     for fqn in blocks:
         block = program.get_submodule(fqn)
         handles.append(block.register_forward_pre_hook(lambda m, a, k, fqn=fqn: enter(fqn, a, k), with_kwargs=True))
-        handles.append(block.register_forward_hook(lambda m, a, o: state.update(unit=AFTER)))
+        handles.append(block.register_forward_hook(lambda m, a, o: leave()))
     counter = _Counter(counts, lambda: state["unit"])
     state_storages = {_storage(t) for t in list(program.parameters()) + list(program.buffers())}
     saved: dict[int, tuple[int, str]] = {}
@@ -218,11 +265,16 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
                 counts.unit(BEFORE).shared += t.untyped_storage().nbytes()
         return t
 
-    def on_attention(flops: int, moved: int) -> None:
+    def on_attention(flops: int, moved: int, out: int) -> None:
         unit = counts.unit(state["unit"])
         unit.matmul_flops += flops
         unit.other_bytes += moved
         unit.kernels += 1
+        if counter.policy is not None:  # the attention kernel's outputs: saved by selective checkpointing
+            unit.selective_saved += out
+            unit.selective_skip_flops += flops
+            unit.selective_skip_bytes += moved
+            unit.selective_skip_kernels += 1
 
     ids = torch.zeros(rows, seq, dtype=torch.long, device="meta")
     try:

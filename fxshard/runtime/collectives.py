@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 
 from fxshard.layout.placements import chunk
@@ -255,13 +256,29 @@ def raw_all_gather(x: torch.Tensor, dim: int, ax: _Axis, size: int | None = None
     return torch.cat([piece.narrow(dim, 0, chunk(size, n, j)[1]) for j, piece in enumerate(y.chunk(n, 0))], dim)
 
 
-def _piece_lengths(x: torch.Tensor, dim: int, ax: _Axis) -> list:
+def _piece_lengths(x: torch.Tensor, dim: int, ax: _Axis, size: int | None = None) -> list:
     """Every rank's length of ``dim``, in rank order on the axis, by one all-gather of an
     int each.  A gather of unequal pieces cannot take them from the example: a dynamic dim
     (batch, sequence) cut in pieces of 4 and 3 at length 7 is 4 and 4 at length 8, and no
-    rank's own length tells the others' (4 is the first piece of both)."""
+    rank's own length tells the others' (4 is the first piece of both).
+
+    A tensor without data (the meta device, a fake tensor: the planner's runs, a capture)
+    has no lengths to exchange; they are read from the shapes (:func:`_shape_piece_lengths`)."""
+    if x.device.type == "meta" or is_fake(x):
+        return _shape_piece_lengths(x.size(dim), ax, size)
     mine = torch.full((1,), x.size(dim), dtype=torch.int64, device=x.device)
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(mine, ax.size, ax.group_name)).tolist()
+
+
+def _shape_piece_lengths(length, ax: _Axis, size) -> list:
+    """Every rank's length where only this rank's ``length`` and the example's gathered
+    ``size`` are known: the example's ``torch.chunk`` pieces when this rank's piece is the
+    example's (a static dim such as the vocabulary: 32000 over 3 ranks is 10667, 10667,
+    10666), else ``length`` on every rank (the largest total whose piece here is ``length``)."""
+    n = ax.size
+    if size is not None and chunk(size, n, local_index(ax))[1] == length:
+        return [chunk(size, n, j)[1] for j in range(n)]
+    return [length] * n
 
 
 def raw_reduce_scatter(x: torch.Tensor, dim: int, ax: _Axis) -> torch.Tensor:
@@ -379,7 +396,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, ax, dim, grad_partial, size):
         ctx.ax, ctx.dim, ctx.grad_partial = ax, dim, grad_partial
         if size is not None and size % ax.size:  # unequal pieces: their lengths at run time, not the example's
-            return raw_all_gather(x, dim, ax, lengths=_piece_lengths(x, dim, ax))
+            return raw_all_gather(x, dim, ax, lengths=_piece_lengths(x, dim, ax, size))
         return raw_all_gather(x, dim, ax, size)
 
     @staticmethod
@@ -737,7 +754,7 @@ def grad_sync_bucket(xs: list[torch.Tensor], axis: str, op: str = "sum", *,
     """
     _check_op(op, "grad_sync_bucket")
     ax = replica_axis(axis, replicas) if replicas else comm_axis(axis, "grad_sync_bucket")
-    if ax.size == 1 or not xs:
+    if ax.size == 1 or not xs or not torch.is_grad_enabled():  # no backward (eval): the identity, also for dynamo
         return tuple(xs)
     return _GradSyncBucket.apply(ax, op, bool(overlap), *xs)
 

@@ -4,7 +4,9 @@ Each rank holds ``[..., V/n]`` logits.  Three scalar-per-token reductions over t
 axis replace the gather: the max (for stability, no gradient), the sum of
 exponentials and the target logit.  The ``loss_parallel`` pass rewrites
 ``F.cross_entropy`` / ``F.log_softmax`` + ``F.nll_loss`` on vocab-sharded logits into
-these functions; they are also public for losses computed outside the graph.
+these functions; they are also public for losses computed outside the graph.  A loss
+taken eagerly on a program's vocab-shard logits (the trainer's, under loss parallel) uses
+:func:`vocab_parallel_token_losses`, whose backward keeps the logits alone.
 
 Example::
 
@@ -85,6 +87,62 @@ def _pick(local: torch.Tensor, t: torch.Tensor, axis: str, vocab_size: int | Non
     owned = (local_t >= 0) & (local_t < n_local)
     picked = local.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
     return collectives.all_reduce(picked * owned.to(picked.dtype), axis)
+
+
+def _sum_over(x: torch.Tensor, axis: str) -> torch.Tensor:
+    ax = comm_axis(axis, "vocab_parallel_cross_entropy")
+    return x if ax.size == 1 else collectives.raw_all_reduce(x, ax)
+
+
+class _VocabParallelTokenLoss(torch.autograd.Function):
+    """Per-token cross-entropy of rows ``[N, V/n]`` whose classes are sharded on ``axis``
+    (Megatron's ``VocabParallelCrossEntropy``): forward all-reduces three numbers per token
+    (max, sum of exponentials, target logit); backward is local, ``softmax - onehot`` of
+    this rank's classes, recomputed from the saved logits and log-sum-exp.  It keeps the
+    logits in their own dtype and one float per token: no fp32 copy of the logits and no
+    ``exp`` of them outlive the forward (the loss is often the largest activation)."""
+
+    @staticmethod
+    def forward(ctx, x, t, axis, step, ignore_index):
+        xf = x.float()
+        shift = xf.amax(-1)
+        ax = comm_axis(axis, "vocab_parallel_cross_entropy")
+        if ax.size > 1:
+            shift = collectives.raw_all_reduce(shift, ax, "max")
+        lse = shift + _sum_over((xf - shift.unsqueeze(-1)).exp().sum(-1), axis).log()
+        n_local = x.size(-1)
+        local_t = t - collectives.local_offset(axis, step, t)
+        owned = (local_t >= 0) & (local_t < n_local)
+        local_t = local_t.clamp(0, n_local - 1)
+        picked = _sum_over(xf.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * owned.to(xf.dtype), axis)
+        valid = t != ignore_index
+        ctx.save_for_backward(x, lse, local_t, owned & valid, valid)
+        return torch.where(valid, lse - picked, torch.zeros_like(lse))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse, local_t, hit, valid = ctx.saved_tensors
+        g = torch.where(valid, grad, torch.zeros_like(grad)).unsqueeze(-1)
+        soft = (x.float() - lse.unsqueeze(-1)).exp()
+        soft.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(soft.dtype).unsqueeze(-1))
+        return (soft * g).to(x.dtype), None, None, None, None
+
+
+def vocab_parallel_token_losses(local_logits: torch.Tensor, target: torch.Tensor, axis: str = "tp",
+                                ignore_index: int = -100, vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy ``[N]`` of logits ``[N, V/n]`` sharded on ``axis`` (0 where the
+    target is ``ignore_index``), for a loss taken eagerly outside the program (the trainer's
+    ``token_loss_sum``): the numbers of :func:`vocab_parallel_cross_entropy` with
+    ``reduction="none"``, but the backward keeps only the logits, in their own dtype, and one
+    float per token (Megatron's ``VocabParallelCrossEntropy``), where the composite form keeps
+    an fp32 ``exp`` of the logits.  Inside a compiled graph the ``loss_parallel`` pass uses the
+    composite form: AOTAutograd's partitioner may recompute this function's forward
+    all-reduces in the backward.
+
+    Example: ``vocab_parallel_token_losses(local_logits.flatten(0, 1), labels.flatten(), "tp").sum()``
+    """
+    step = local_logits.size(-1) if vocab_size is None else -(-vocab_size // collectives.axis_size(axis))
+    return _VocabParallelTokenLoss.apply(local_logits, target, axis, step, ignore_index)
 
 
 def vocab_parallel_nll_loss(local_logp: torch.Tensor, target: torch.Tensor, axis: str,

@@ -57,8 +57,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bf16 compute, fp32 master weights and reductions: FSDP2's MixedPrecisionPolicy under dp "
                         "(param_dtype=bf16, reduce_dtype=fp32), autocast without dp (or with --autocast)")
     g.add_argument("--autocast", action="store_true", help="with --bf16: torch.autocast also under dp")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in the backward (HF's gradient_checkpointing, kept per block by fxshard)")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", default=None, metavar="MODE",
+                   type=checkpointing_mode,
+                   help="recompute activations in the backward, per block: none; full (each block keeps its inputs); "
+                        "selective (per op, torchtitan's: matmul, attention and collective outputs kept, the rest "
+                        "recomputed); selective:K (every K-th block in full). The bare flag is full; unset: none, or with "
+                        "--mesh auto the planner's choice")
     g.add_argument("--compile", default=None, metavar="BACKEND",
                    help="torch.compile backend (inductor, aot_eager): fxshard.compile, one graph per block on a mesh")
 
@@ -75,6 +79,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when available (NCCL), else cpu (gloo)")
     return p
+
+
+def checkpointing_mode(text: str) -> str:
+    """``--activation-checkpointing``'s value, checked (``none``, ``full``, ``selective``,
+    ``selective:K``): argparse reports a bad one as a usage error (exit status 2)."""
+    from fxshard.errors import PlanError
+    from fxshard.training.checkpointing import parse_checkpointing
+
+    try:
+        parse_checkpointing(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 
 import torch
@@ -25,25 +26,41 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxshard.pipelining.train_step import eval_step, train_step
+from fxshard.runtime.collectives import all_gather
 from fxshard.runtime.context_parallel_ops import gather_sequence, split_sequence
+from fxshard.runtime.loss import vocab_parallel_token_losses
 from fxshard.state.checkpoint import latest_checkpoint, load, save
 from fxshard.state.full_state import full_state_dict
 from fxshard.training.accumulate import no_sync
 from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
 from fxshard.trainer import data as text_data
 from fxshard.trainer.errors import TrainerError
-from fxshard.trainer.export import export_checkpoint, max_logit_difference, save_model_dir
+from fxshard.trainer.export import (check_output_dir, export_checkpoint, make_scratch_dir, max_logit_difference,
+                                    remove_scratch_dir, save_model_dir)
 from fxshard.trainer.metrics import MetricsLogger, Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 from fxshard.trainer.models import ModelSource, parse_overrides
 from fxshard.trainer.parallel_dims import ParallelDims
-from fxshard.trainer.parallelize import ParallelOptions, Program, parallelize
+from fxshard.trainer.parallelize import ParallelOptions, Program, enable_hf_checkpointing, parallelize
 
 VOCAB_MULTIPLE = 64  # a model built from its type gets the tokenizer's vocabulary padded to this
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the scored tokens (labels pre-shifted; -100 is padding)."""
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_axis: str | None = None,
+                   vocab_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy summed over the scored tokens (labels pre-shifted; -100 is padding).
+
+    ``vocab_axis``: the logits are this rank's vocab shard on that mesh axis (a program with
+    loss parallel, ``Program.vocab_parallel``): the vocab-parallel cross-entropy takes the
+    loss in pieces (max, sum of exponentials and target logit all-reduced per token), never
+    gathering the logits; ``vocab_size`` is the global vocabulary (uneven shards).
+
+    Example: ``token_loss_sum(program(input_ids=ids), labels, *program_info.vocab_parallel or ())``
+    """
     logits = getattr(logits, "logits", logits)  # an HF ModelOutput, or a logits tensor
+    if vocab_axis is not None:
+        # fp32 inside, per token: no fp32 copy of the logits is kept for the backward
+        return vocab_parallel_token_losses(logits.flatten(0, -2), labels.flatten(), vocab_axis, ignore_index=-100,
+                                           vocab_size=vocab_size).sum()
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
@@ -65,7 +82,65 @@ def init_process_group(backend: str) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_hosts_store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    global _FAILURE_STORE
+    _FAILURE_STORE = dist.PrefixStore(f"attempt{attempt}.failures", store)
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world)
+
+
+_FAILURE_STORE = None  # this attempt's store, once the processes have met: who failed first
+_FIRST_FAILURE: bool | None = None
+
+
+def claim_failure() -> bool:
+    """Whether this process is the one that reports the run's error: the first of its ranks to
+    fail (a counter in the run's store), so an error torchrun's ranks all hit (a data file
+    missing) or one rank hits (and the others then lose their peers) is printed once. Before
+    the processes have met, every rank checks the same flags and files: rank 0 reports. Asked
+    again, the same answer.
+
+    Example::
+
+        except TrainerError as e:
+            if claim_failure():
+                print(e, file=sys.stderr)
+            return 2
+    """
+    global _FIRST_FAILURE
+    if _FIRST_FAILURE is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            _FIRST_FAILURE = True
+        elif _FAILURE_STORE is None:
+            _FIRST_FAILURE = int(os.environ.get("RANK", "0")) == 0
+        else:
+            try:
+                import datetime
+
+                _FAILURE_STORE.set_timeout(datetime.timedelta(seconds=10))
+                _FIRST_FAILURE = _FAILURE_STORE.add("count", 1) == 1
+            except Exception:  # noqa: BLE001 - the store went with its host: a peer failed first and said so
+                _FIRST_FAILURE = False
+    return _FIRST_FAILURE
+
+
+def interrupted_message(ckpt_dir: str | None, step: int | None = None) -> str:
+    """The one line a run stopped by Ctrl-C ends with: where it stopped and the last committed
+    checkpoint (what a run started again with the same ``--ckpt-dir`` resumes from).
+
+    Example::
+
+        interrupted_message("ckpt", 7)
+        # 'fxshard train: interrupted after step 7; last committed checkpoint: ckpt/step000006 (...)'
+    """
+    where = f"interrupted after step {step}" if step else "interrupted before the first step"
+    if not ckpt_dir:
+        return f"fxshard train: {where}; no checkpoint was written (no --ckpt-dir)"
+    try:
+        latest = latest_checkpoint(ckpt_dir) if os.path.isdir(ckpt_dir) else None
+    except Exception as e:  # noqa: BLE001 - the line must come out whatever the folder holds
+        return f"fxshard train: {where}; the checkpoints in {ckpt_dir} do not read ({type(e).__name__}: {e})"
+    if latest is None:
+        return f"fxshard train: {where}; no checkpoint committed in {ckpt_dir} yet"
+    return f"fxshard train: {where}; last committed checkpoint: {latest} (the same command resumes from it)"
 
 
 class Run:
@@ -111,6 +186,8 @@ class Run:
             raise TrainerError("--eval-every without --eval-split: which text is held out?\n  fix: add --eval-split FILE")
         if a.autocast and not a.bf16:
             raise TrainerError("--autocast without --bf16: autocast to what?\n  fix: --bf16 --autocast")
+        if a.export_hf:  # before any work: an export onto its own source would overwrite it at the end
+            check_output_dir(a.export_hf, {"--model": a.model if os.path.isdir(a.model) else None})
 
     def check_pipeline_flags(self) -> None:
         a, dims = self.args, self.dims
@@ -150,7 +227,7 @@ class Run:
         cache = a.data_cache or os.path.join(os.path.expanduser("~"), ".cache", "fxshard", "tokens")
         train_tokens = text_data.PackedTokens.from_files(a.data, self.tokenizer, a.seq, cache_dir=cache, text_field=a.text_field)
         dp_rank = dims.dp_rank(self.mesh)
-        self.batches = text_data.TextBatches(train_tokens, a.batch, seed=a.seed, dp_rank=dp_rank, dp_size=dims.dp)
+        self.batches = text_data.TextBatches(train_tokens, a.batch, seed=a.seed, dp_rank=dp_rank, dp_size=dims.batch_ranks)
         self.eval_tokens = (text_data.PackedTokens.from_files(a.eval_split, self.tokenizer, a.seq, cache_dir=cache,
                                                          text_field=a.text_field) if a.eval_split else None)
         self.log.print(f"data: {train_tokens.num_tokens:,} tokens, {len(train_tokens):,} rows of {a.seq}"
@@ -180,8 +257,9 @@ class Run:
         autocast = a.bf16 and (a.autocast or dims.dp == 1)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(a.warmup, a.steps))
+        self.sched = self.schedule(0)
         self.start = self.resume()
+        self.done = self.start
         self.log = MetricsLogger(a.log_dir, self.rank, resume_step=self.start)
         if a.ckpt_dir and self.rank == 0 and self.config is not None:
             save_model_dir(a.ckpt_dir, self.config, self.tokenizer, vars(a))
@@ -208,8 +286,7 @@ class Run:
 
     def single_process(self, model) -> Program:
         a = self.args
-        if a.activation_checkpointing:
-            model.gradient_checkpointing_enable()
+        enable_hf_checkpointing(model, a.activation_checkpointing, type(model).__name__)
         if a.compile:
             t0 = time.perf_counter()
             model = torch.compile(model, backend=a.compile)
@@ -217,17 +294,38 @@ class Run:
                            f"{time.perf_counter() - t0:.1f} s")
         return Program(model, pipelined=False)
 
+    def schedule(self, step: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """This run's schedule (``--lr``, ``--warmup``, ``--steps``), at ``step``: a resumed run
+        follows its own flags from the checkpoint's step on (the lr of the first step after it is
+        already this schedule's), and says so when the checkpoint's run had another."""
+        a = self.args
+        for group in self.opt.param_groups:
+            group["initial_lr"] = a.lr  # the peak: this run's, also over a resumed optimizer's
+        return torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(a.warmup, a.steps), last_epoch=step - 1)
+
+    def schedule_flags(self) -> dict:
+        return {"lr": float(self.args.lr), "warmup": int(self.args.warmup), "steps": int(self.args.steps)}
+
     def resume(self) -> int:
         a = self.args
         latest = latest_checkpoint(a.ckpt_dir) if a.ckpt_dir else None
         if latest is None:
             return 0
         state = load(self.module, latest, optimizer=self.opt, show_progress=False)
-        self.sched.load_state_dict(state["sched"])
+        step = int(state["step"])
+        self.sched = self.schedule(step)
         torch.set_rng_state(state["rng"])
         self.batches.load_state_dict(state["data"])
-        self.log.print(f"resumed from {latest} at step {state['step']}")
-        return int(state["step"])
+        self.log.print(f"resumed from {latest} at step {step}")
+        saved, now = state.get("schedule"), self.schedule_flags()
+        if isinstance(saved, dict) and saved != now and step < a.steps:
+            def flags(s):
+                return f"--lr {s['lr']:g} --warmup {s['warmup']} --steps {s['steps']}"
+            was = saved["lr"] * lr_lambda(saved["warmup"], saved["steps"])(step)
+            self.log.print(f"lr schedule: the checkpoint's run had {flags(saved)}, this run follows {flags(now)} from "
+                           f"step {step + 1} on (its lr {self.sched.get_last_lr()[0]:.3g}, where the checkpoint's "
+                           f"schedule had {was:.3g})")
+        return step
 
     # ------------------------------------------------------------------ a step
 
@@ -254,23 +352,24 @@ class Run:
             # train_step averages a loss_fn's means over micro-batches and the batch's ranks: undone,
             # so every token weighs 1 / count as on one device
             share = pm.spec.microbatches * pm.batch_ranks
+            vocab = self.program.vocab_parallel or ()  # the last stage's logits are vocab shards: loss parallel
             target = labels if self.program.gathers_sequence else self.local_piece(labels)
 
             def loss_fn(output, tgt):
-                return token_loss_sum(output, tgt) * (share / count)
+                return token_loss_sum(output, tgt, *vocab) * (share / count)
             step = train_step if backward else eval_step
             return step(pm, {name: self.local_piece(ids)}, loss_fn=loss_fn, target=target)
         with self.autocast():
             out = self.module(**{name: self.local_piece(ids)})
-        loss = token_loss_sum(out, self.local_piece(labels)) / count
+        loss = token_loss_sum(out, self.local_piece(labels), *self.program.vocab_parallel or ()) / count
         if backward:
             # FSDP2 averages gradients over dp where the sum over ranks is wanted
-            (loss * self.dims.dp).backward()
+            (loss * self.dims.batch_ranks).backward()
         return loss.detach()
 
     def global_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != -100).sum().to(torch.float32).to(self.device)
-        return self.reduce(count, ["dp"]).clamp(min=1)
+        return self.reduce(count, self.dims.batch_axes).clamp(min=1)
 
     def train_step(self) -> dict:
         a = self.args
@@ -283,7 +382,7 @@ class Run:
             with no_sync(self.module) if held else contextlib.nullcontext():
                 total += self.micro_loss(i, l, count).float()
         if not self.program.pipelined:
-            total = self.reduce(total, ["dp", "cp"])  # each rank held its rows' and positions' share
+            total = self.reduce(total, [*self.dims.batch_axes, "cp"])  # each rank held its rows' and positions' share
         if self.mesh is None:
             norm = (torch.nn.utils.clip_grad_norm_(self.module.parameters(), a.clip) if a.clip else
                     torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None]))
@@ -302,12 +401,12 @@ class Run:
         was_training = self.module.training
         self.module.eval()
         with torch.no_grad():
-            for ids, labels in text_data.eval_batches(self.eval_tokens, a.batch, dp_rank, self.dims.dp, a.eval_batches):
+            for ids, labels in text_data.eval_batches(self.eval_tokens, a.batch, dp_rank, self.dims.batch_ranks, a.eval_batches):
                 ids, labels = ids.to(self.device), labels.to(self.device)
                 n = self.global_count(labels)
                 loss = self.micro_loss(ids, labels, n, backward=False).float()
                 if not self.program.pipelined:
-                    loss = self.reduce(loss, ["dp", "cp"])
+                    loss = self.reduce(loss, [*self.dims.batch_axes, "cp"])
                 total += loss * n
                 count += n
         self.module.train(was_training)
@@ -324,7 +423,7 @@ class Run:
             throughput.start()
             rec = self.train_step()
             throughput.stop(tokens_per_step)
-            done = step + 1
+            done = self.done = step + 1
             last = done == a.steps
             if done % a.log_every == 0 or last:
                 rate = throughput.take()
@@ -342,9 +441,11 @@ class Run:
     def save(self, step: int) -> str:
         a = self.args
         path = os.path.join(a.ckpt_dir, f"step{step:06d}")
-        state = {"step": step, "sched": self.sched.state_dict(), "rng": torch.get_rng_state(),
-                 "data": self.batches.state_dict()}
+        state = {"step": step, "sched": self.sched.state_dict(), "schedule": self.schedule_flags(),
+                 "rng": torch.get_rng_state(), "data": self.batches.state_dict()}
+        t0 = time.perf_counter()
         save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False)
+        self.log.print(f"checkpoint {path} at step {step} ({time.perf_counter() - t0:.1f} s)")
         return path
 
     def checksum(self) -> float:
@@ -361,12 +462,33 @@ class Run:
 
     # ------------------------------------------------------------------ the end: the weights out
 
+    def scratch_dir(self) -> str:
+        """``--export-hf OUT`` without ``--ckpt-dir``: a new directory beside ``OUT`` for the
+        checkpoint the export reads (rank 0 makes it, every rank gets its name); removed after."""
+        path = [make_scratch_dir(self.args.export_hf) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(path, src=0)
+        return path[0]
+
+    def export(self, ckpt: str, probe) -> None:
+        """Rank 0, after the run: ``ckpt`` as an HF checkpoint in ``--export-hf``, checked."""
+        a = self.args
+        t0 = time.perf_counter()
+        out = export_checkpoint(ckpt, a.export_hf, sources={"--model": self.source.tokenizer_dir})
+        (ids, _), (kind, value) = probe
+        if kind == "logits":
+            check = f"logits of the trained program, max difference {max_logit_difference(out, ids, value):.3g}"
+        else:
+            check = f"loss of the trained program, difference {abs(exported_loss(out, probe[0]) - value):.3g}"
+        print(f"exported {ckpt} to {out} ({time.perf_counter() - t0:.1f} s); from_pretrained({out!r}) vs the "
+              f"{check}", flush=True)
+
     def probe(self):
         """What the export is checked against, on the first held-out (else training) batch in
         order: the program's logits gathered to every rank, or under pp its loss."""
         a = self.args
         tokens = self.eval_tokens or self.batches.tokens
-        mine = next(text_data.eval_batches(tokens, a.batch, self.dims.dp_rank(self.mesh), self.dims.dp, 1))
+        mine = next(text_data.eval_batches(tokens, a.batch, self.dims.dp_rank(self.mesh), self.dims.batch_ranks, 1))
         whole = next(text_data.eval_batches(tokens, a.batch, 0, 1, 1))
         ids, labels = (t.to(self.device) for t in mine)
         self.module.eval()
@@ -378,11 +500,14 @@ class Run:
                 logits = getattr(self.module(**{self.source.input_name: self.local_piece(ids)}), "logits", None)
             if logits is None:  # a torchtitan program returns the tensor
                 logits = self.module(**{self.source.input_name: self.local_piece(ids)})
+        if self.program.vocab_parallel:  # loss parallel: the export check alone sees whole rows
+            axis, vocab = self.program.vocab_parallel
+            logits = all_gather(logits, axis, -1, size=vocab)
         if self.dims.cp > 1:
             logits = gather_sequence(logits, "cp", sharded=self.module)
-        if self.dims.dp > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.dims.dp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.mesh["dp"].get_group())
+        for axis in self.dims.batch_axes:  # every dp rank's rows (under HSDP dp spans the replicas)
+            parts = [torch.empty_like(logits) for _ in range(self.mesh[axis].size())]
+            dist.all_gather(parts, logits.contiguous(), group=self.mesh[axis].get_group())
             logits = torch.cat(parts)
         return whole, ("logits", logits.float().cpu())
 
@@ -400,45 +525,46 @@ def _spans(xs: list[int]) -> str:
 
 
 def run(args) -> int:
-    """The whole run; returns the exit status."""
-    r = Run(args)
-    export_from, probe, created = None, None, None
+    """The whole run; returns the exit status: 0, or 130 when stopped by Ctrl-C (SIGINT), after
+    one line naming the last committed checkpoint (rank 0 says it; every rank stops)."""
+    r = scratch = None
     try:
-        r.setup()
-        r.train()
-        if args.export_hf:
-            probe = r.probe()
-            root = args.ckpt_dir
-            if root is None:  # a checkpoint to export from, removed afterwards
-                root = created = os.path.abspath(args.export_hf) + ".fxshard-ckpt"
-                if r.rank == 0:
-                    save_model_dir(root, r.config, r.tokenizer, vars(args))
-                export_from = fxshard_save_final(r, root)
-            else:
-                export_from = latest_checkpoint(root)
-        checksum = r.checksum()
-    finally:
-        r.log.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if r.rank != 0:
+        r = Run(args)
+        export_from, probe = None, None
+        try:
+            r.setup()
+            r.train()
+            if args.export_hf:
+                probe = r.probe()
+                if args.ckpt_dir is None:  # a checkpoint to export from, in a directory of fxshard's own
+                    scratch = r.scratch_dir()
+                    if r.rank == 0:
+                        save_model_dir(scratch, r.config, r.tokenizer, vars(args))
+                    export_from = fxshard_save_final(r, scratch)
+                else:
+                    export_from = latest_checkpoint(args.ckpt_dir)
+            checksum = r.checksum()
+        except BaseException as e:
+            if not isinstance(e, KeyboardInterrupt):
+                claim_failure()  # now, while the peers are up: their errors from losing this rank come later
+            raise
+        finally:
+            r.log.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if r.rank != 0:
+            return 0
+        if export_from is not None:
+            r.export(export_from, probe)
+        print(f"final checksum {checksum!r}", flush=True)
         return 0
-    if export_from is not None:
-        t0 = time.perf_counter()
-        out = export_checkpoint(export_from, args.export_hf)
-        (ids, _), (kind, value) = probe
-        if kind == "logits":
-            check = f"logits of the trained program, max difference {max_logit_difference(out, ids, value):.3g}"
-        else:
-            check = f"loss of the trained program, difference {abs(exported_loss(out, probe[0]) - value):.3g}"
-        print(f"exported {export_from} to {out} ({time.perf_counter() - t0:.1f} s); from_pretrained({out!r}) vs the "
-              f"{check}", flush=True)
-        if created:
-            import shutil
-
-            shutil.rmtree(created, ignore_errors=True)
-    print(f"final checksum {checksum!r}", flush=True)
-    return 0
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(interrupted_message(args.ckpt_dir, getattr(r, "done", None)), file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if scratch is not None and r.rank == 0:
+            remove_scratch_dir(scratch)
 
 
 def fxshard_save_final(r: Run, root: str) -> str:
@@ -452,7 +578,7 @@ def exported_loss(out: str, batch) -> float:
     from transformers import AutoModelForCausalLM
 
     ids, labels = batch
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=False).eval()
     with torch.no_grad():
         total = token_loss_sum(model(input_ids=ids), labels)
     return float(total / (labels != -100).sum().clamp(min=1))

@@ -165,10 +165,10 @@ def _one(rank: int, world_size: int, cfg: dict):
             target = labels if program.gathers_sequence else piece(labels)
 
             def loss_fn(output, tgt):
-                return token_loss_sum(output, tgt) * (share / count)
+                return token_loss_sum(output, tgt, *program.vocab_parallel or ()) * (share / count)
             return fxshard.train_step(module, {source.input_name: piece(ids)}, loss_fn=loss_fn, target=target)
         out = module(**{source.input_name: piece(ids)})
-        loss = token_loss_sum(out, piece(labels)) / count
+        loss = token_loss_sum(out, piece(labels), *program.vocab_parallel or ()) / count
         (loss * dims.dp).backward()
         return loss
 

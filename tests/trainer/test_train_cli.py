@@ -2,8 +2,10 @@
 checkpoint directory written by ``save_pretrained`` with a tokenizer trained locally, the
 shipped public-domain text (examples/data) with a held-out split.
 
-* every mesh (dp x tp, pp x tp, pp x dp, cp x tp; ep on an MoE) trains to the losses of one
+* every mesh (dp x tp, pp x tp, pp x dp, cp x tp; ep and dp x ep on Qwen3-MoE and Mixtral, whose
+  experts run as grouped GEMMs) trains to the losses of one
   process, step by step (fp32, 1e-5), evaluates, and ends at its checksum;
+* so do full (the bare ``--activation-checkpointing``) and selective activation checkpointing;
 * ``--mesh pp=2`` holds half the blocks per rank; ``--mesh foo=2`` is refused before any work;
 * the export loads in transformers with the trained program's logits (and loss under pp);
 * a rank killed mid-run resumes, data position included, to the uninterrupted checksum.
@@ -78,7 +80,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"llama": make_hf_checkpoint(root / "llama", "llama", text_files=[TEXT], num_hidden_layers=4),
             "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", text_files=[TEXT]),
-            "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", text_files=[TEXT])}
+            "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", text_files=[TEXT]),
+            "mixtral": make_hf_checkpoint(root / "mixtral", "mixtral", text_files=[TEXT])}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +111,15 @@ def one_process(checkpoints, cache, tmp_path_factory):
 MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2,tp=2", 4, []),
           ("llama", "pp=2,dp=2", 4, ["--activation-checkpointing"]), ("llama", "cp=2,tp=2", 4, []),
           ("qwen3_moe", "ep=2", 2, []), ("qwen3_moe", "dp=2,ep=2", 4, []),
+          # the routed experts as fxshard's grouped GEMMs (one process: HF's own grouped_mm kernel)
+          ("mixtral", "ep=2", 2, []), ("mixtral", "dp=2,ep=2", 4, []),
           ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"]),
-          ("llama", "auto", 2, ["--memory-gib", "4"])]
+          # torchtitan's per-op selective checkpointing on the program's blocks, under FSDP2 x tp and pp x FSDP2
+          ("llama", "dp=2,tp=2", 4, ["--activation-checkpointing", "selective"]),
+          ("llama", "pp=2,dp=2", 4, ["--activation-checkpointing", "selective"]),
+          ("llama", "auto", 2, ["--memory-gib", "4"]),
+          # tp is sequence- and loss-parallel: the MoE blocks take gathered sequences, the loss vocab shards
+          ("qwen3_moe", "ep=2,tp=2", 4, [])]
 
 
 @pytest.mark.parametrize("model,mesh,nproc,extra", MESHES, ids=[" ".join([m, *e]) for _, m, _, e in MESHES])
@@ -205,3 +215,63 @@ def test_killed_rank_resumes_with_its_data_position(checkpoints, cache, tmp_path
     resumed = re.findall(r"^resumed from \S+ at step (\d+)$", out, re.M)
     assert resumed and int(resumed[-1]) <= kill_after, f"killed after step {kill_after}; no resume:\n{out[-3000:]}"
     assert _checksum(out) == want, f"killed after step {kill_after}: {_checksum(out)!r} != {want!r}"
+
+
+@pytest.mark.parametrize("case", ["bad mesh, before the processes meet", "missing data, after they meet"])
+def test_an_error_under_torchrun_is_printed_once(case, tmp_path):
+    """Every rank hits the error; one prints it (rank 0 before the process group exists, else the
+    first rank that failed), the others exit silently; the run's exit status is non-zero. What
+    follows is torchrun's own summary of the failed workers."""
+    args = ["--model", "llama", "--data", TEXT, "--steps", "1", "--batch", "4", "--seq", "32",
+            "--data-cache", str(tmp_path / "tokens"), "--mesh", "dp=4"]
+    if case.startswith("bad mesh"):
+        args[args.index("dp=4")], want = "dp=2,foo=2", "unknown axis 'foo'"
+    else:
+        args[args.index(TEXT)], want = str(tmp_path / "missing.txt"), f"fxshard train: error: data file {tmp_path / 'missing.txt'}"
+    done = subprocess.run(_cmd(4, args), capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert out.count("fxshard train: error:") == 1 and want in out, out[-5000:]
+    assert out.count("  fix: ") == 1, out[-5000:]
+    worker_tracebacks = [m for m in re.finditer(r"Traceback \(most recent call last\):\n(.*\n){0,4}", out)
+                         if "torch/distributed/run.py" not in m.group(0) and "runpy" not in m.group(0)]
+    assert not worker_tracebacks, out[-5000:]
+
+
+FSDP_MESHES = [("cp=2,dp=2", 4, True), ("cp=2", 2, False), ("dp_replicate=2,dp=2", 4, True)]
+
+
+@pytest.mark.parametrize("mesh,nproc,resume", FSDP_MESHES, ids=[m for m, _, _ in FSDP_MESHES])
+def test_fsdp_over_dp_cp_and_hsdp(mesh, nproc, resume, checkpoints, cache, one_process, tmp_path):
+    """FSDP2 shards every parameter over dp x cp (torchtitan's ``dp_shard_cp``; over cp alone at
+    dp=1), HSDP replicates over ``dp_replicate`` and shards within: each rank holds its share of
+    every parameter, and every step's loss and grad norm are one process's (1e-5), also across
+    a save and a resume (the last checkpoint removed, the same command resumes from the one before)."""
+    want, _, want_checksum, _ = one_process["llama"]
+    ckpt = tmp_path / "ckpt"
+    args = _common(checkpoints["llama"], cache) + ["--mesh", mesh, "--log-dir", str(tmp_path), "--ckpt-dir", str(ckpt),
+                                                    "--ckpt-every", "3", "--eval-every", "0"]
+    stdout = _run(nproc, args)
+    ranks = [int(p.replace(",", "")) for p in re.findall(r"rank \d+ blocks \S+ params ([\d,]+)", stdout)]
+    total = int(re.search(r"^holds: .*\(of ([\d,]+)\)$", stdout, re.M).group(1).replace(",", ""))
+    replicas = 2 if "dp_replicate" in mesh else 1
+    shards = nproc // replicas
+    # every parameter cut in pieces: no rank holds more than its 1/shards (FSDP2 pads dim 0 to a multiple), and
+    # the pieces add up to the model once per replica: a parameter replicated over cp would add up to more
+    assert len(ranks) == nproc and sum(ranks) == total * replicas, (ranks, total)
+    assert max(ranks) <= total / shards * 1.01, (ranks, total, shards)
+    steps = {STEPS}
+    if resume:
+        import shutil
+
+        last = ckpt / f"step{STEPS:06d}"
+        assert last.is_dir() and (ckpt / f"step{3:06d}").is_dir(), sorted(os.listdir(ckpt))
+        shutil.rmtree(last)
+        stdout = _run(nproc, args)
+        assert re.search(r"^resumed from \S+ at step 3$", stdout, re.M), stdout[-3000:]
+    got, _ = _records(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    for step, rec in want.items():
+        assert abs(got[step]["loss"] - rec["loss"]) <= 1e-5, (mesh, step, got[step]["loss"], rec["loss"])
+        assert abs(got[step]["grad_norm"] - rec["grad_norm"]) <= 1e-5 * rec["grad_norm"], (mesh, step)
+    assert abs(_checksum(stdout) - want_checksum) <= 1e-6 * abs(want_checksum) + 1e-4

@@ -42,6 +42,37 @@ RUNS = {
 }
 
 
+# Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: H100s of 96 GB, seq 8192 unless
+# said): (table, model, GPUs, seq, global batch, the mesh and AC mode as published, memory GiB, tokens/s/GPU,
+# precision). torchtitan's memory is the peak reserved by the caching allocator (the planner predicts what is
+# allocated); runs marked fp8 used Float8 linears and torch.compile, which the planner's bf16 roofline does not model.
+PUBLISHED = [
+    ("T1", "8B", 8, 8192, 16, {"dp": 8}, "selective", 82.4, 5762, "bf16"),
+    ("T3", "8B", 128, 8192, 256, {"dp": 128}, "selective", 67.0, 5605, "bf16"),
+    ("T2", "8B", 8, 32768, 8, {"dp": 8}, "full", 83.9, 3890, "fp8+compile"),
+    ("T2", "8B", 8, 262144, 1, {"cp": 8}, "full", 84.5, 548, "fp8+compile"),
+    ("T4", "70B", 256, 8192, 512, {"dp": 32, "tp": 8}, "full", 71.9, 829, "fp8+compile"),
+    ("T5", "405B", 512, 8192, 256, {"dp": 8, "tp": 8, "pp": 8, "schedule": "Interleaved1F1B"}, "full", 72.7, 128,
+     "fp8+compile"),
+]
+
+
+def published_rows(root: str) -> list[dict]:
+    """Each published run planned with its own mesh, AC mode and batch (H100 constants, 96 GiB, bf16)."""
+    from fxshard.planner import plan_parallelism
+
+    rows = []
+    for table_, size, world, seq, batch, mesh, ac, gib, tps, precision in PUBLISHED:
+        (e, *_) = plan_parallelism(config_dir(size, root), world, memory_gib=96, seq=seq, global_batch=batch,
+                                   device="h100", dtype="bf16", candidates=[{**mesh, "activation_checkpointing": ac}])
+        predicted_gib = e.memory.get("total", 0) / 2**30
+        rows.append({"run": f"{table_} Llama-3.1-{size}", "gpus": world, "seq": seq, "mesh": e.mesh_spec, "AC": ac,
+                     "precision": precision, "fits": "yes" if e.fits else f"no: {e.reason}", "pub_gib": gib,
+                     "pred_gib": predicted_gib, "mem_ratio": predicted_gib / gib, "pub_tps": tps,
+                     "pred_tps": e.tokens_per_s, "tps_ratio": e.tokens_per_s / tps})
+    return rows
+
+
 def config_dir(size: str, root: str) -> str:
     path = os.path.join(root, f"llama-3-{size.lower()}")
     os.makedirs(path, exist_ok=True)
@@ -90,6 +121,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--device", default="h100")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--published", action="store_true", help="only the table of published runs")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/planner.json)")
     a = ap.parse_args()
     import concurrent.futures
@@ -98,7 +130,17 @@ def main() -> None:
     print(describe_machine())
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        for size in a.sizes.split(","):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results["published"] = pool.submit(published_rows, root).result()
+        print("\nPublished runs (torchtitan, H100 96 GB) planned with their own mesh, AC mode and batch "
+              "(memory: torchtitan's is the allocator's reserved peak):")
+        print(table(results["published"], [("run", "run", ""), ("gpus", "GPUs", "d"), ("seq", "seq", "d"),
+                                           ("mesh", "mesh", ""), ("AC", "AC", ""), ("precision", "published in", ""),
+                                           ("fits", "fits", ""), ("pub_gib", "published GiB", ".1f"),
+                                           ("pred_gib", "predicted GiB", ".1f"), ("mem_ratio", "ratio", ".2f"),
+                                           ("pub_tps", "published tokens/s/GPU", ",.0f"),
+                                           ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f")]))
+        for size in ([] if a.published else a.sizes.split(",")):
             batch, compare = RUNS[size]
             world = a.world or WORLD[size]
             path = config_dir(size, root)

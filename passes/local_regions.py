@@ -22,8 +22,11 @@ used only inside a leaf child, or in a region that runs as is, enters that modul
 forward through ``grad_sync`` (the module's class gains a forward wrapper, see
 :func:`fxshard.runtime.moe.with_grad_sync`).
 
-Routed experts (:func:`fxshard.routed_experts`) always run as is: their own forward on
-their local weights, under ``ep`` with the routing pointed at this rank's experts
+Routed experts (:func:`fxshard.routed_experts`) always run as is, on their local weights:
+HF's experts run fxshard's grouped GEMMs over the rank's (token, choice) rows
+(:func:`fxshard.runtime.routed_experts.grouped_experts_forward`, whatever kernel the config
+names; never a gather of an expert's weights per row), other modules their own forward; under
+``ep`` with the routing pointed at this rank's experts
 (:func:`fxshard.runtime.routed_experts.local_experts_forward`); first the plan entry's sharding is
 checked by running one of its modules on its shards
 (:func:`fxshard.runtime.routed_experts.sharding_error`).
@@ -55,7 +58,8 @@ from fxshard.runtime import collectives
 from fxshard.errors import PlanError, SignatureMismatchError
 from fxshard.layout.placements import local_shape, uneven_dims
 from fxshard.meta import Collective, LocalRegion, TensorInfo, info, tensor_info
-from fxshard.runtime.routed_experts import RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward, sharding_error
+from fxshard.runtime.routed_experts import (RoutedExpertsSpec, dispatched_experts_forward, local_experts_forward,
+                                            sharding_error, use_grouped_experts)
 from fxshard.runtime.moe import ExpertList, check_compute_signature, routed_forward, swap_forward, with_compute, with_grad_sync
 
 from fxshard.passes.functionalize_leaves import functionalize
@@ -270,6 +274,10 @@ def _routed_experts(module: nn.Module, region: LocalRegion, axes: dict[str, int]
     experts read ``num_experts`` and skip the sentinel index it makes)."""
     spec: RoutedExpertsSpec = region.experts
     n_local = spec.n_experts(module) // (axes[spec.ep] if spec.ep is not None else 1)
+    # HF's experts: grouped GEMMs over the rank's rows, whatever the config's kernel; seeing every token, an ep
+    # rank computes the 1/ep of the rows its experts own (the FLOPs counted on meta)
+    gathered = spec.ep is not None and spec.dispatch != "all_to_all"
+    use_grouped_experts(module, row_share=1 / axes[spec.ep] if gathered else 1.0)
     if spec.ep is not None:
         if hasattr(module, "num_experts"):
             module.num_experts = n_local

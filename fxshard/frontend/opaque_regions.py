@@ -61,15 +61,16 @@ def _(tensors, fqn, call):
     return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device) for o in _CALLS[call].outputs]
 
 
-def _opaque_forward(module: nn.Module, fqn: str, ids: list[int]):
+def _opaque_forward(module: nn.Module, fqn: str, ids: list[int], shapes=None):
     original = module.forward
+    shapes = shapes or original  # what runs for the output shapes
 
     @functools.wraps(original)  # the boundary hooks bind arguments by the forward's signature
     def forward(*args, **kwargs):
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         with disable_proxy_modes_tracing(), torch.no_grad():
-            result = original(*args, **kwargs)  # on fake tensors, not recorded: the output shapes
+            result = shapes(*args, **kwargs)  # on fake tensors, not recorded: the output shapes
         outs, out_spec = pytree.tree_flatten(result)
         if not all(isinstance(o, torch.Tensor) for o in outs):
             from fxshard.errors import PlanError
@@ -94,12 +95,23 @@ def opaque_local_regions(model: nn.Module, plan):
             for fqn, module in model.named_modules():
                 hit = plan.match(fqn)
                 if hit is not None and hit[1].local:
-                    module.forward = _opaque_forward(module, fqn, ids)
+                    module.forward = _opaque_forward(module, fqn, ids, _shape_forward(module, hit[1]))
                     patched.append(module)
         yield ids
     finally:
         for module in patched:
             del module.forward  # the class's forward again
+
+
+def _shape_forward(module: nn.Module, spec):
+    """HF's routed experts run fxshard's grouped forward once transformed: so do they for the
+    shapes (HF's own kernel may have no fake implementation: torch's grouped_mm takes bf16
+    only on meta)."""
+    from fxshard.runtime.routed_experts import RoutedExpertsSpec, follows_hf_experts, grouped_experts_forward
+
+    if isinstance(spec, RoutedExpertsSpec) and follows_hf_experts(module):
+        return functools.partial(grouped_experts_forward, module)
+    return None
 
 
 def restore_local_region_calls(gm: fx.GraphModule, model: nn.Module, ids: list[int]) -> None:

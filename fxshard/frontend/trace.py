@@ -328,6 +328,11 @@ class _ShapeProp(FakeTensorProp):
             raise _shape_error(n, e) from e
 
     def call_module(self, target, args, kwargs):
+        from fxshard.runtime.routed_experts import follows_hf_experts, grouped_experts_forward
+
+        module = self.fetch_attr(target)
+        if follows_hf_experts(module):  # routed experts run fxshard's grouped GEMMs (shapes on meta in any dtype)
+            return grouped_experts_forward(module, *args, **kwargs)
         try:
             with _quiet_fake_kernels():
                 return super().call_module(target, args, kwargs)

@@ -32,6 +32,11 @@ dropless, so the numbers are one device's.
 
 Stacked weights are named by the HF convention; ``tp_dims`` says how each one is
 sharded on ``tp`` when a model differs (Llama-4 stores them transposed).
+
+Sharded, HF's experts run :func:`grouped_experts_forward` (whatever kernel their config
+names): the rank's (token, choice) rows sorted by local expert and one grouped GEMM
+(:func:`grouped_mm`) per stacked weight, never a gather of an expert's weights per row;
+shapes only on the meta device, in any dtype.
 """
 from __future__ import annotations
 
@@ -47,7 +52,8 @@ from fxshard.errors import PlanError
 from fxshard.layout.placements import DimBlocks
 from fxshard.plan.specs import ModuleSpec
 
-__all__ = ["routed_experts", "RoutedExpertsSpec", "HF_TP_DIMS"]
+__all__ = ["routed_experts", "RoutedExpertsSpec", "HF_TP_DIMS", "grouped_mm", "grouped_experts_forward",
+           "follows_hf_experts", "use_grouped_experts"]
 
 # HF's layout of fused experts: {weight: (dim sharded on tp, number of packed parts)}.
 # gate_up_proj [E, 2I, H] is colwise (its output rows, gate | up); down_proj [E, H, I]
@@ -359,3 +365,255 @@ def local_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, axis: 
     local = top_k_index - start
     foreign = (local < 0) | (local >= n_local)
     return local.masked_fill(foreign, n_local), top_k_weights.masked_fill(foreign, 0.0)
+
+
+# --------------------------------------------------------------------------- grouped experts
+#
+# HF's experts (``@use_experts_implementation``) pick their kernel from the config:
+# ``batched_mm`` gathers each (token, choice)'s expert weights, ``[N*k, 2I, H]`` (0.66 GiB
+# per token per layer for Mixtral-8x7B), and torch's meta kernel of ``grouped_mm`` takes
+# bf16 only, so neither serves a program captured and planned on the meta device in
+# float32.  The sharded experts therefore run fxshard's own forward, whatever the config
+# says: the (token, choice) rows sorted by local expert, and one grouped GEMM per weight
+# over them (``fxshard::grouped_mm``: ``torch._grouped_mm`` where the device has it, a
+# loop over the experts' contiguous row slices elsewhere, shapes only on meta).  What
+# it keeps for the backward is O(rows x (hidden + expert width)), never a weight per row.
+
+
+def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows ``[offs[g-1], offs[g])`` of ``x`` times ``w[g]``, one matmul per expert with rows;
+    rows from ``offs[-1]`` on (the sentinel's) are zeros."""
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):  # one host sync for all the experts
+        if end > start:
+            torch.mm(x[start:end], w[g], out=out[start:end])
+        start = end
+    return out
+
+
+def _weight_grad_loop(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[G, K, N]``: each expert's ``x_rows^T @ grad_rows`` (zeros for an expert without rows)."""
+    out = x.new_zeros(groups, x.shape[1], grad.shape[1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end].t(), grad[start:end], out=out[g])
+        start = end
+    return out
+
+
+_NATIVE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _has_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on this device type and dtype (both directions):
+    probed once on a tiny problem.  torch 2.13 has it on CPU (fp32, bf16) and on CUDA from
+    sm80; older builds have CUDA bf16 only, or nothing."""
+    key = (device.type if device.index is None else str(device), dtype)
+    if key not in _NATIVE:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.ones(8, 8, device=device, dtype=dtype)
+                w = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                offs = torch.tensor([4, 8], device=device, dtype=torch.int32)
+                ok = bool(torch._grouped_mm(x, w, offs=offs).eq(8).all()) and \
+                    bool(torch._grouped_mm(x.t(), x, offs=offs).eq(4).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _NATIVE[key] = ok
+    return _NATIVE[key]
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """The native kernel's layout rule: 16-byte aligned data, every stride but the unit one
+    a multiple of 16 bytes."""
+    for t in ts:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(s != 1 and (s * size) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _native(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.dtype == w.dtype and _aligned(x, w) and _has_native(x.device, x.dtype)
+
+
+def _tail_zero(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The native kernel leaves rows past the last group unwritten: zero them (no host sync)."""
+    rows = torch.arange(y.shape[0], device=y.device)
+    return y.masked_fill((rows >= offs[-1].to(rows.dtype))[:, None], 0) if offs.numel() else y.zero_()
+
+
+def _grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    if x.shape[0] and _native(x, w):
+        return _tail_zero(torch._grouped_mm(x, w, offs=offs), offs)
+    return _grouped_mm_loop(x, w, offs)
+
+
+def _grouped_mm_backward_impl(x, w, offs, grad, share=1.0):
+    grad = grad.contiguous()
+    if x.shape[0] and _native(x, w) and _aligned(grad):
+        gx = _tail_zero(torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs), offs)
+        gw = torch._grouped_mm(x.t(), grad, offs=offs)
+        return gx, gw
+    return _grouped_mm_loop(grad, w.transpose(-2, -1), offs), _weight_grad_loop(x, grad, offs, w.shape[0])
+
+
+# Custom ops: opaque to torch.compile and torch.export (one node each), shapes only on
+# meta and fake tensors, and one FLOP formula for torch's counter and the planner.
+torch.library.custom_op("fxshard::grouped_mm", _grouped_mm_impl, mutates_args=(),
+                        schema="(Tensor x, Tensor w, Tensor offs, float share=1.0) -> Tensor")
+torch.library.custom_op("fxshard::grouped_mm_backward", _grouped_mm_backward_impl, mutates_args=(),
+                        schema="(Tensor x, Tensor w, Tensor offs, Tensor grad, float share=1.0) -> (Tensor, Tensor)")
+
+
+@torch.library.register_fake("fxshard::grouped_mm")
+def _grouped_mm_fake(x, w, offs, share=1.0):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.register_fake("fxshard::grouped_mm_backward")
+def _grouped_mm_backward_fake(x, w, offs, grad, share=1.0):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offs, *share = inputs
+    ctx.share = share[0] if share else 1.0
+    ctx.save_for_backward(x, w, offs)  # the rows (O(rows x K)) and the weights (parameters): nothing per row x weight
+
+
+def _grouped_mm_grad(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    gx, gw = torch.ops.fxshard.grouped_mm_backward(x, w, offs, grad, ctx.share)
+    return gx, gw, None, None
+
+
+torch.library.register_autograd("fxshard::grouped_mm", _grouped_mm_grad, setup_context=_grouped_mm_setup)
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    # every row computed meets one expert's [K, N]; the kernels skip the sentinel's rows, so the
+    # rows counted are the share expected to be this rank's (the routing is unknown on meta)
+    @register_flop_formula(torch.ops.fxshard.grouped_mm)
+    def _fwd(x_shape, w_shape, offs_shape, share=1.0, *args, out_shape=None, **kwargs) -> int:
+        return 2 * round(x_shape[0] * share) * x_shape[1] * w_shape[-1]
+
+    @register_flop_formula(torch.ops.fxshard.grouped_mm_backward)
+    def _bwd(x_shape, w_shape, offs_shape, grad_shape, share=1.0, *args, out_shape=None, **kwargs) -> int:
+        return 4 * round(x_shape[0] * share) * x_shape[1] * w_shape[-1]
+
+
+_register_flops()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    """Grouped GEMM: ``x [S, K]`` rows sorted by group, ``w [G, K, N]``, ``offs [G]`` the
+    int32 end of each group's rows (``cumsum`` of the counts); row ``r`` of group ``g``
+    gives ``x[r] @ w[g]``, rows from ``offs[-1]`` on give zeros.  ``torch._grouped_mm``
+    where the device has it (and the layout suits it), a loop over the groups' row slices
+    elsewhere; differentiable in ``x`` and ``w``; shapes only on meta.  ``share``: the
+    fraction of the rows expected before ``offs[-1]`` (an ep rank's experts get ``1/ep`` of
+    uniformly routed choices), what the FLOP counters count (torch's, the planner's).
+
+    Example::
+
+        y = grouped_mm(x_sorted, experts.gate_up_proj.transpose(-2, -1), counts.cumsum(0).int())
+    """
+    device = x.device.type
+    if device != "meta" and torch.is_autocast_enabled(device):  # the custom op is not autocast's: cast as F.linear is
+        dtype = torch.get_autocast_dtype(device)
+        x, w = x.to(dtype), w.to(dtype)
+    elif x.dtype != w.dtype:
+        x = x.to(w.dtype)
+    return torch.ops.fxshard.grouped_mm(x, w, offs, share)
+
+
+def follows_hf_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers 5 experts module (``@use_experts_implementation``:
+    stacked ``gate_up_proj`` / ``up_proj`` and ``down_proj``, its gate and layout flags),
+    which :func:`grouped_experts_forward` computes.
+
+    Example: ``follows_hf_experts(mixtral.model.layers[0].mlp.experts)`` -> ``True``
+    """
+    flags = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
+    if not all(hasattr(module, f) for f in flags) or not isinstance(getattr(module, "down_proj", None), torch.Tensor):
+        return False
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    return isinstance(getattr(module, first, None), torch.Tensor) and (not module.has_gate or hasattr(module, "_apply_gate"))
+
+
+def _grouped_linear(x, weight, offs, bias, experts, transposed, share):
+    out = grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs, share)
+    if bias is not None:
+        out = out + bias[experts]  # a bias row per (token, choice): vectors, not matrices
+    return out
+
+
+def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """HF's experts (``experts(hidden [N, H], top_k_index [N, k], top_k_weights [N, k])``)
+    as grouped GEMMs: the ``N*k`` (token, choice) rows sorted by expert, each weight applied
+    by :func:`grouped_mm`, the results weighted and summed per token in HF's order.  Choices
+    of the sentinel ``self.num_experts`` (other ranks' experts under ``ep``) sort last and
+    are skipped.  One device's numbers: HF's ``grouped_mm`` / ``batched_mm`` to rounding.
+
+    Example::
+
+        swap_forward(experts, lambda base: grouped_experts_forward)   # what fxshard does to sharded experts
+        y = experts(hidden, top_k_index, top_k_weights)
+    """
+    n_tokens, k = top_k_index.shape[0], top_k_index.shape[-1]
+    first = self.gate_up_proj if self.has_gate else self.up_proj
+    n_experts = int(getattr(self, "num_experts", first.shape[0]))
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, the sentinel's rows last
+    experts = flat[order]
+    # rows per expert, static shapes (a scatter-add, not bincount); the sentinel's count dropped
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.clamp(0, n_experts), torch.ones_like(flat))
+    offs = counts[:n_experts].cumsum(0).to(torch.int32)
+    if first.shape[0] > n_experts:  # weights of experts past num_experts (none on an ep rank): no rows
+        offs = torch.cat([offs, offs[-1:].expand(first.shape[0] - n_experts)])
+    valid = experts < n_experts
+    experts = experts.clamp(max=n_experts - 1)
+    x = hidden_states[order // k]  # [N*k, H]: each row's token, not its expert's weights
+    bias = getattr(self, "gate_up_proj_bias" if self.has_gate else "up_proj_bias", None) if self.has_bias else None
+    share = getattr(self, "_fxshard_row_share", 1.0)  # set by use_grouped_experts
+    h = _grouped_linear(x, first, offs, bias, experts, self.is_transposed, share)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    y = _grouped_linear(h, self.down_proj, offs, getattr(self, "down_proj_bias", None) if self.has_bias else None,
+                        experts, self.is_transposed, share)
+    if self.has_post_expert_norm:
+        y = self.post_expert_norm(y)
+    # the sentinel's rows are finite (grouped_mm zeroes them): a zero weight drops them, and keeps them
+    # out of the router's gradient
+    weights = top_k_weights.reshape(-1)[order].masked_fill(~valid, 0.0)
+    y = y * weights[:, None].to(y.dtype)
+    # back to (token, choice) order (an index by the inverse permutation: its backward keeps the index
+    # only, where index_copy's keeps the rows), then summed over the choices as HF's kernels sum them
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y[inverse]
+    return y.view(n_tokens, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # (no token at all: [0, H])
+
+
+def use_grouped_experts(module: nn.Module, row_share: float = 1.0) -> bool:
+    """Make ``module`` (HF experts, see :func:`follows_hf_experts`) run
+    :func:`grouped_experts_forward` whatever its config's ``_experts_implementation``;
+    returns whether it did (other modules keep their forward).  ``row_share``: the share of
+    its (token, choice) rows expected to be its own (``1/ep`` on an ep rank that sees every
+    token), what its GEMMs' FLOPs count.
+
+    Example: ``use_grouped_experts(model.model.layers[0].mlp.experts)``
+    """
+    if not follows_hf_experts(module) or getattr(type(module), "_fxshard_grouped", False):
+        return False
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (cls,), {"forward": grouped_experts_forward, "_fxshard_grouped": True,
+                                                   "_fxshard_row_share": float(row_share),
+                                                   "__module__": cls.__module__})
+    return True

@@ -58,6 +58,58 @@ def parse_overrides(text: str) -> dict:
     return out
 
 
+def check_hf_config(model_dir: str | os.PathLike) -> dict:
+    """``model_dir/config.json`` read as plain JSON and checked before transformers sees it:
+    an object whose ``model_type`` is one this transformers ships. A directory's own code
+    (``auto_map`` naming ``configuration_*.py`` / ``modeling_*.py``) is never run: with an
+    unknown type and an ``auto_map`` transformers would ask at a terminal whether to run it,
+    and fxshard says no before it can ask (a TrainerError naming the file).
+
+    Example::
+
+        check_hf_config("path/to/checkpoint")["model_type"]   # 'llama'
+    """
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TrainerError(f"{path} does not read as JSON ({e})\n  fix: the config.json save_pretrained writes") from None
+    if not isinstance(raw, dict):
+        raise TrainerError(f"{path} is a JSON {type(raw).__name__}, not a config\n  fix: the config.json "
+                           f"save_pretrained writes")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        code = (f"; its auto_map names code in {os.path.dirname(path)} ({', '.join(map(str, raw['auto_map'].values()))}), "
+                f"which fxshard never runs" if isinstance(raw.get("auto_map"), dict) else "")
+        raise TrainerError(f"{path}: model_type {model_type!r} is not one transformers ships{code}\n  fix: a checkpoint "
+                           f"of a model type transformers has (llama, qwen3, mixtral, ...), or a transformers "
+                           f"version that has this type")
+    return raw
+
+
+def load_hf_config(model_dir: str | os.PathLike):
+    """The ``PretrainedConfig`` of a checkpoint directory, with ``trust_remote_code=False``
+    (after :func:`check_hf_config`); a config transformers cannot read is a TrainerError naming it.
+
+    Example::
+
+        cfg = load_hf_config("path/to/checkpoint")   # LlamaConfig(...)
+    """
+    from transformers import AutoConfig
+
+    check_hf_config(model_dir)
+    try:
+        return AutoConfig.from_pretrained(os.fspath(model_dir), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - a broken config is the user's input
+        raise TrainerError(f"{os.path.join(os.fspath(model_dir), 'config.json')} does not load: {type(e).__name__}: "
+                           f"{e}\n  fix: the config.json save_pretrained writes") from None
+
+
 def hf_model_types() -> list[str]:
     """The HF model types ``AutoModelForCausalLM`` can build."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -89,6 +141,7 @@ class ModelSource:
                 raise TrainerError(f"--model-config {overrides} with a checkpoint directory: its config.json is the "
                                    f"model\n  fix: drop --model-config, or edit {os.path.join(name, 'config.json')}")
             require("transformers")
+            check_hf_config(name)
             return cls("hf_dir", os.path.abspath(name), overrides, seed)
         require("transformers")
         types = hf_model_types()
@@ -112,10 +165,8 @@ class ModelSource:
     def hf_config(self, vocab_size: int | None = None):
         """The HF config the model is built from (``vocab_size``: a model built from its type
         takes the tokenizer's vocabulary)."""
-        from transformers import AutoConfig
-
         if self.kind == "hf_dir":
-            cfg = AutoConfig.from_pretrained(self.name)
+            cfg = load_hf_config(self.name)
         elif self.kind == "hf_type":
             from fxshard.testing.hf_tiny import TinyBuildError, tiny_config
 
@@ -132,11 +183,10 @@ class ModelSource:
             return None
         # scaled_dot_product_attention: the attention context parallelism rewrites, and the fastest on GPUs
         cfg._attn_implementation = "sdpa"
-        if self.kind == "hf_dir" and hasattr(cfg, "_experts_implementation"):
-            # built on the meta device, HF's default grouped_mm experts cannot be captured in float32 (torch's
-            # meta kernel of _grouped_mm takes bf16 only); batched matmuls capture in any dtype. One process
-            # uses the same, so both run the same ops
-            cfg._experts_implementation = "batched_mm"
+        # MoE experts keep HF's default kernel (grouped_mm) on one process; sharded, fxshard runs its own
+        # grouped GEMMs (runtime.routed_experts.grouped_experts_forward), which capture on the meta device in
+        # any dtype. Never batched_mm: it gathers each token's expert weights (0.66 GiB a token a layer for
+        # Mixtral-8x7B)
         return cfg
 
     def vocab_size(self, tokenizer_vocab: int | None = None) -> int:
@@ -163,7 +213,13 @@ class ModelSource:
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
         if self.kind == "hf_dir":
-            return AutoModelForCausalLM.from_pretrained(self.name, config=cfg, dtype=torch.float32).to(device).train()
+            from fxshard.state.hf_checkpoint import checkpoint_files
+
+            # the checks a mesh's reader makes (files inside the directory, no stale index beside
+            # model.safetensors), so one process and a mesh read the same weights
+            checkpoint_files(self.name)
+            return AutoModelForCausalLM.from_pretrained(self.name, config=cfg, dtype=torch.float32,
+                                                        trust_remote_code=False).to(device).train()
         torch.manual_seed(self.seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
 

@@ -126,7 +126,7 @@ def unit_costs(gm: fx.GraphModule, blocks: list[str] | None = None, *, loss_node
             continue
         if n.op == "output":
             if loss_on_output:
-                for a in _flat(n.args[0]):
+                for a in flat_args(n.args[0]):
                     walker.loss_on(units[AFTER], a)
             continue
         b = node_block(n)
@@ -304,13 +304,14 @@ def _numel(t) -> int:
     return math.prod(_hint(d) for d in t.shape) if isinstance(t, torch.Tensor) else 0
 
 
-def _flat(x) -> list:
+def flat_args(x) -> list:
+    """The leaves of a node's nested arguments (tuples, lists, dicts): ``flat_args(out_node.args[0])``."""
     if isinstance(x, (tuple, list)):
-        return [y for item in x for y in _flat(item)]
+        return [y for item in x for y in flat_args(item)]
     if isinstance(x, dict):
-        return [y for item in x.values() for y in _flat(item)]
+        return [y for item in x.values() for y in flat_args(item)]
     return [x]
 
 
-__all__ = ["StageCost", "BEFORE", "AFTER", "node_block", "program_blocks", "unit_costs", "cost_shares", "balance",
+__all__ = ["StageCost", "flat_args", "BEFORE", "AFTER", "node_block", "program_blocks", "unit_costs", "cost_shares", "balance",
            "balanced_stages", "node_flops", "LOSS_FLOPS_PER_LOGIT", "LOSS_BYTES_PER_LOGIT"]

@@ -45,7 +45,7 @@ from fxshard.state.module_state import add_missing_state, named_state
 
 from fxshard.plan.pipeline import PipelineSpec
 
-from .stage_costs import StageCost, balanced_stages, cost_shares, node_block, program_blocks, unit_costs
+from .stage_costs import StageCost, balanced_stages, flat_args, cost_shares, node_block, program_blocks, unit_costs
 
 FREE = -1  # a stage index meaning "computed from parameters and constants alone: copied where used"
 LOSS = 1 << 30  # a stage index meaning "part of the loss (depends on a target input)"
@@ -133,7 +133,7 @@ def cut_stages(gm: fx.GraphModule, spec: PipelineSpec, num_stages: int, targets:
     if loss_nodes:
         final_outputs, loss = _loss_program(gm, out_node, loss_nodes, stage_of_node, target_nodes)
     else:
-        final_outputs = [a for a in _flat(out_node.args[0])]
+        final_outputs = [a for a in flat_args(out_node.args[0])]
         for a in final_outputs:
             if not (isinstance(a, fx.Node) and _is_tensor(a)):
                 raise PlanError(f"pipeline: the program's output {a} is not a tensor; the last stage sends tensors only\n"
@@ -298,14 +298,6 @@ def _negative(n: fx.Node) -> bool:
 
 def _is_sent(n: fx.Node) -> bool:
     return _is_tensor(n) or _is_size(n)
-
-
-def _flat(x) -> list:
-    if isinstance(x, (tuple, list)):
-        return [y for item in x for y in _flat(item)]
-    if isinstance(x, dict):
-        return [y for item in x.values() for y in _flat(item)]
-    return [x]
 
 
 def _hint(d) -> int:
@@ -483,7 +475,7 @@ def split_loss(gm: fx.GraphModule, targets: Sequence[str] = ("labels",)) -> tupl
 
 def _loss_program(gm, out_node, loss_nodes, stage_of_node, target_nodes) -> tuple[list[fx.Node], LossProgram]:
     """The tensors the loss reads from the last stage, and the loss as a program of them and the target."""
-    outs = [a for a in _flat(out_node.args[0]) if isinstance(a, fx.Node)]
+    outs = [a for a in flat_args(out_node.args[0]) if isinstance(a, fx.Node)]
     losses = [a for a in outs if a in loss_nodes and _is_tensor(a) and a.meta["val"].dim() == 0]
     if len(losses) != 1:
         raise PlanError(f"pipeline: found {len(losses)} scalar outputs that depend on {[t.target for t in target_nodes]}; "

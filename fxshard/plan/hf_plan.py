@@ -700,34 +700,29 @@ def _residual_norms(list_fqn: str, layers: nn.ModuleList) -> list[str]:
     """Patterns of the norms that are direct children of the decoder layers:
     ``model.layers.*.input_layernorm``, or one FQN per layer where a name is a norm in
     some layers only."""
-    kinds: dict[str, list[tuple[str, bool]]] = {}
-    for idx, layer in layers.named_children():
-        for name, child in layer.named_children():
-            kinds.setdefault(name, []).append((idx, _is_norm(child)))
-    out = []
-    for name, flags in kinds.items():
-        if all(is_norm for _, is_norm in flags):
-            out.append(f"{list_fqn}.*.{name}")
-        else:
-            out += [f"{list_fqn}.{idx}.{name}" for idx, is_norm in flags if is_norm]
-    return out
+    return _layer_children(list_fqn, layers, _is_norm)
 
 
 def _routed_blocks(list_fqn: str, layers: nn.ModuleList) -> list[str]:
     """Patterns of the children of the decoder layers that hold routed experts (a module
     whose class ends in ``Experts``: Mixtral's, Qwen3-MoE's): they flatten batch and sequence
     to route tokens, so under sequence parallelism they take whole sequences."""
+    return _layer_children(list_fqn, layers, lambda child: any(type(m).__name__.endswith("Experts") for m in child.modules()))
+
+
+def _layer_children(list_fqn: str, layers: nn.ModuleList, wanted) -> list[str]:
+    """Patterns of the decoder layers' children for which ``wanted(child)`` holds: one
+    ``list.*.name`` where it holds in every layer, else one FQN per layer where it does."""
     kinds: dict[str, list[tuple[str, bool]]] = {}
     for idx, layer in layers.named_children():
         for name, child in layer.named_children():
-            routed = any(type(m).__name__.endswith("Experts") for m in child.modules())
-            kinds.setdefault(name, []).append((idx, routed))
+            kinds.setdefault(name, []).append((idx, bool(wanted(child))))
     out = []
     for name, flags in kinds.items():
-        if all(r for _, r in flags):
+        if all(hit for _, hit in flags):
             out.append(f"{list_fqn}.*.{name}")
         else:
-            out += [f"{list_fqn}.{idx}.{name}" for idx, r in flags if r]
+            out += [f"{list_fqn}.{idx}.{name}" for idx, hit in flags if hit]
     return out
 
 

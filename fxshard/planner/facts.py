@@ -274,6 +274,7 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
         units[unit].comm.append(CommFact(r.phase, r.kind, r.axis, r.axis_size, r.bytes, r.wire_bytes, per_row,
                                          r.dtype.is_floating_point))
     units[BEFORE].comm += _piece_check_rows(pieces, subplan.axes)
+    units[AFTER].comm += _vocab_parallel_loss_rows(vocab, subplan, seq if subplan.cp_gathered else seq_local)
     return ProgramFacts(subplan, planned, units, captured, tied, balance, time.perf_counter() - t0)
 
 
@@ -289,6 +290,19 @@ def _parameter_syncs(program: fx.GraphModule, blocks: list[str]) -> set[tuple[st
             elif n.op == "call_function" and getattr(n.target, "__name__", "") in PARAM_SYNCS:
                 out.add((region, n.name))
     return out
+
+
+def _vocab_parallel_loss_rows(vocab: tuple, subplan: SubPlan, tokens_per_row: int) -> list[CommFact]:
+    """The trainer's loss on vocab shards (``token_loss_sum`` with ``Program.vocab_parallel``)
+    runs outside the program, so the program's comm summary has none of its collectives: per
+    token, three fp32 all-reduces on the vocab axis (the max, the sum of exponentials, the target
+    logit) in the forward, none in the backward (``runtime.loss.vocab_parallel_token_losses``)."""
+    if not vocab:
+        return []
+    axis, n = vocab[0], subplan.axes.get(vocab[0], 1)
+    nbytes = ROWS * tokens_per_row * 4
+    return [CommFact("forward", "all_reduce", axis, n, nbytes, int(round(nbytes * 2 * (n - 1) / n)), True, False)
+            for _ in range(3)]
 
 
 def _piece_check_rows(pieces, axes: dict[str, int]) -> list[CommFact]:

@@ -70,6 +70,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-dir", default=None, help="checkpoints (resumed from the latest at start)")
     g.add_argument("--ckpt-every", type=int, default=0, metavar="K")
     g.add_argument("--keep-last", type=int, default=2)
+    g.add_argument("--no-checkpoint-digests", action="store_true",
+                   help="neither write a SHA-256 of every checkpoint file nor check them at resume (very large "
+                        "checkpoints: the digests read every byte once more); sizes, chunks, keys and dtypes are "
+                        "still checked")
     g.add_argument("--log-every", type=int, default=1, metavar="K", help="a metrics line every K steps")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl (and TensorBoard events when tensorboard is installed)")
     g.add_argument("--peak-tflops", type=float, default=None,

@@ -311,7 +311,8 @@ class Run:
         latest = latest_checkpoint(a.ckpt_dir) if a.ckpt_dir else None
         if latest is None:
             return 0
-        state = load(self.module, latest, optimizer=self.opt, show_progress=False)
+        state = load(self.module, latest, optimizer=self.opt, show_progress=False,
+                     check_digests=not a.no_checkpoint_digests)
         step = int(state["step"])
         self.sched = self.schedule(step)
         torch.set_rng_state(state["rng"])
@@ -444,7 +445,8 @@ class Run:
         state = {"step": step, "sched": self.sched.state_dict(), "schedule": self.schedule_flags(),
                  "rng": torch.get_rng_state(), "data": self.batches.state_dict()}
         t0 = time.perf_counter()
-        save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False)
+        save(self.module, path, optimizer=self.opt, state=state, keep_last=a.keep_last, show_progress=False,
+             digest=not a.no_checkpoint_digests)
         self.log.print(f"checkpoint {path} at step {step} ({time.perf_counter() - t0:.1f} s)")
         return path
 

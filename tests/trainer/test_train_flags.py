@@ -188,6 +188,32 @@ def test_checkpoints_keep_last_and_resume(tmp_path, cache):
     assert abs(resumed[4]["loss"] - full[4]["loss"]) <= 1e-6
 
 
+def test_no_checkpoint_digests(tmp_path, cache):
+    """--no-checkpoint-digests: the commit file lists sizes without digests, and a resume checks
+    sizes only; without it every file has its SHA-256, checked at resume."""
+    from fxshard.state.checkpoint import COMMIT_FILE
+
+    def listed(ckpt):
+        with open(ckpt / "step000002" / COMMIT_FILE) as f:
+            return json.load(f)["files"]
+
+    with_digests, without = tmp_path / "with", tmp_path / "without"
+    train(tmp_path, cache, "--ckpt-dir", str(with_digests), "--ckpt-every", "2", steps=2)
+    train(tmp_path, cache, "--ckpt-dir", str(without), "--ckpt-every", "2", "--no-checkpoint-digests", steps=2)
+    assert listed(with_digests) and all(len(v["sha256"]) == 64 for v in listed(with_digests).values())
+    assert listed(without) and all(v["sha256"] is None and v["size"] > 0 for v in listed(without).values())
+    # a flipped byte: refused at resume with the digests, unseen without them (sizes equal)
+    for ckpt in (with_digests, without):
+        shard = sorted((ckpt / "step000002").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    assert main(["train", "--model", "llama", "--data", TEXT, "--steps", "3", "--batch", "4", "--seq", "32",
+                 "--data-cache", cache, "--ckpt-dir", str(with_digests)]) == 2
+    resumed, _ = train(tmp_path, cache, "--ckpt-dir", str(without), "--no-checkpoint-digests", steps=3)
+    assert sorted(resumed) == [3]
+
+
 def test_export_command(tmp_path, cache, capsys):
     import torch
     from transformers import AutoModelForCausalLM

@@ -237,7 +237,7 @@ def register_plans(captures: Captures, subplans) -> dict[SubPlan, str]:
 def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = torch.float32) -> ProgramFacts:
     """The facts of ``subplan``'s program, its forward run in ``dtype`` (bf16: the parameters
     FSDP2's mixed precision gathers).  A plan the model refuses is its ``PlanError``."""
-    from fxshard.trainer.loop import token_loss_sum
+    from fxshard.training.token_loss import token_loss_sum
     from fxshard.trainer.parallelize import sharded_logits
 
     t0 = time.perf_counter()

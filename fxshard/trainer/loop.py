@@ -23,16 +23,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fxshard.pipelining.train_step import eval_step, train_step
 from fxshard.runtime.collectives import all_gather
 from fxshard.runtime.context_parallel_ops import gather_sequence, split_sequence
-from fxshard.runtime.loss import vocab_parallel_token_losses
 from fxshard.state.checkpoint import latest_checkpoint, load, save
 from fxshard.state.full_state import full_state_dict
 from fxshard.training.accumulate import no_sync
 from fxshard.training.grad_norm import clip_grad_norm_, grad_norm
+from fxshard.training.token_loss import token_loss_sum
 from fxshard.trainer import data as text_data
 from fxshard.trainer.errors import TrainerError
 from fxshard.trainer.export import (check_output_dir, export_checkpoint, make_scratch_dir, max_logit_difference,
@@ -43,25 +42,6 @@ from fxshard.trainer.parallel_dims import ParallelDims
 from fxshard.trainer.parallelize import ParallelOptions, Program, enable_hf_checkpointing, parallelize
 
 VOCAB_MULTIPLE = 64  # a model built from its type gets the tokenizer's vocabulary padded to this
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_axis: str | None = None,
-                   vocab_size: int | None = None) -> torch.Tensor:
-    """Cross-entropy summed over the scored tokens (labels pre-shifted; -100 is padding).
-
-    ``vocab_axis``: the logits are this rank's vocab shard on that mesh axis (a program with
-    loss parallel, ``Program.vocab_parallel``): the vocab-parallel cross-entropy takes the
-    loss in pieces (max, sum of exponentials and target logit all-reduced per token), never
-    gathering the logits; ``vocab_size`` is the global vocabulary (uneven shards).
-
-    Example: ``token_loss_sum(program(input_ids=ids), labels, *program_info.vocab_parallel or ())``
-    """
-    logits = getattr(logits, "logits", logits)  # an HF ModelOutput, or a logits tensor
-    if vocab_axis is not None:
-        # fp32 inside, per token: no fp32 copy of the logits is kept for the backward
-        return vocab_parallel_token_losses(logits.flatten(0, -2), labels.flatten(), vocab_axis, ignore_index=-100,
-                                           vocab_size=vocab_size).sum()
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 def lr_lambda(warmup: int, steps: int):

@@ -127,7 +127,7 @@ def _local_bytes(t) -> int:
 def _one(rank: int, world_size: int, cfg: dict):
     """Build ``cfg``, measure one step; returns the result and a function that runs a step."""
     import fxshard
-    from fxshard.trainer.loop import token_loss_sum
+    from fxshard.training.token_loss import token_loss_sum
     from fxshard.trainer.models import ModelSource
     from fxshard.trainer.parallel_dims import ParallelDims
     from fxshard.trainer.parallelize import ParallelOptions, parallelize

@@ -105,7 +105,7 @@ def test_vocab_parallel_token_loss_is_the_single_device_loss():
     from torch.distributed._local_tensor import LocalTensor
 
     from fxshard.runtime.collectives import bind_mesh
-    from fxshard.trainer.loop import token_loss_sum
+    from fxshard.training.token_loss import token_loss_sum
 
     torch.manual_seed(0)
     vocab = 123

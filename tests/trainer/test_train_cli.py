@@ -122,7 +122,14 @@ MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2
           ("qwen3_moe", "ep=2,tp=2", 4, [])]
 
 
-@pytest.mark.parametrize("model,mesh,nproc,extra", MESHES, ids=[" ".join([m, *e]) for _, m, _, e in MESHES])
+# the widest cases run in .ci/run's second stage (pytest -m sweep), keeping the main stage under 30 minutes
+SWEEP_MESHES = {"pp=2,dp=2 --activation-checkpointing selective"}
+
+
+@pytest.mark.parametrize("model,mesh,nproc,extra", [
+    pytest.param(*case, id=" ".join([case[1], *case[3]]),
+                 marks=[pytest.mark.sweep] if " ".join([case[1], *case[3]]) in SWEEP_MESHES else [])
+    for case in MESHES])
 def test_mesh_trains_as_one_process(model, mesh, nproc, extra, checkpoints, cache, one_process, tmp_path):
     """The losses of one process at every step, the eval losses, the checksum and the export's logits."""
     want, want_eval, want_checksum, want_export = one_process[model]
@@ -238,10 +245,11 @@ def test_an_error_under_torchrun_is_printed_once(case, tmp_path):
     assert not worker_tracebacks, out[-5000:]
 
 
-FSDP_MESHES = [("cp=2,dp=2", 4, True), ("cp=2", 2, False), ("dp_replicate=2,dp=2", 4, True)]
+FSDP_MESHES = [("cp=2,dp=2", 4, True), ("cp=2", 2, False),
+               pytest.param("dp_replicate=2,dp=2", 4, True, marks=pytest.mark.sweep, id="dp_replicate=2,dp=2")]
 
 
-@pytest.mark.parametrize("mesh,nproc,resume", FSDP_MESHES, ids=[m for m, _, _ in FSDP_MESHES])
+@pytest.mark.parametrize("mesh,nproc,resume", FSDP_MESHES, ids=["cp=2,dp=2", "cp=2", "dp_replicate=2,dp=2"])
 def test_fsdp_over_dp_cp_and_hsdp(mesh, nproc, resume, checkpoints, cache, one_process, tmp_path):
     """FSDP2 shards every parameter over dp x cp (torchtitan's ``dp_shard_cp``; over cp alone at
     dp=1), HSDP replicates over ``dp_replicate`` and shards within: each rank holds its share of

@@ -30,6 +30,7 @@ from fxshard.debug.explain import explain
 from fxshard.debug.formats import render, to_dot, to_json, to_networkx
 from fxshard.runtime.moe import ExpertList, check_compute_signature, ep_combine, ep_dispatch, ep_exchange_counts, expert_parallel, softmax_topk
 from fxshard.runtime.routed_experts import routed_experts
+from fxshard.runtime.gathered_linears import gathered_linears
 from fxshard.runtime.loss import global_mean_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_log_softmax, vocab_parallel_nll_loss
 from fxshard.runtime.context_parallel_ops import context_parallel_mask, gather_sequence, local_positions, ring_attention, split_sequence
 from fxshard.state.full_state import full_state_dict, load_full_state_dict
@@ -54,7 +55,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_nll_loss", "global_mean_cross_entropy",
     "ring_attention", "context_parallel_mask", "local_positions",
     # runtime collectives called by the generated code
-    "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket",
+    "all_reduce", "reduce_scatter", "all_gather", "shard", "all_to_all", "grad_sync", "grad_sync_bucket", "gathered_linears",
     "local_sizes", "local_span",  # this rank's part sizes of an uneven fused projection
 ]
 

@@ -240,6 +240,7 @@ class NodeExtra(TypedDict, total=False):
     local: tuple  # inside a carved region: (local shape, dtype) from one run on zeros (local_regions)
     context_parallel: Any  # fxshard.plan.specs.ContextParallel around the node (regions -> propagate, cp pass)
     context_parallel_module: str  # FQN of that module (regions -> context_parallel_attention)
+    gathered: Any  # gathered_linears call: the TensorInfo of the whole input it gathers (fuse_gathered_linears -> comm_summary)
     mean_axes: tuple[str, ...]  # cp axes a mean loss is taken over (propagate -> global_mean_loss, loss_parallel)
     distributed_norm: str  # axis of the distributed_norm module around the node (regions -> distributed_norm_statistics)
 

@@ -37,6 +37,7 @@ from fxshard.frontend.trace import keep_codegen, keep_non_persistent, trace
 from fxshard.markers import is_marker
 from fxshard.meta import KEY, PROGRAM_KEY, PassContext, Rewrite, TensorInfo, program_meta
 from fxshard.runtime import collectives
+from fxshard.runtime.gathered_linears import gathered_linears as gathered_linears_op
 from fxshard.plan.plan import Plan
 from fxshard.training.batch import guard_equal_pieces
 from fxshard.training.checkpointing import checkpoint_blocks, has_checkpointed_layers
@@ -60,6 +61,7 @@ from fxshard.passes.redistribute import redistribute
 from fxshard.passes.insert_grad_syncs import insert_grad_syncs
 from fxshard.passes.check_fsdp_axis import check_fsdp_axis
 from fxshard.passes.bucket_grad_syncs import DEFAULT_CAP_MB, bucket_grad_syncs
+from fxshard.passes.fuse_gathered_linears import fuse_gathered_linears
 from fxshard.passes.bind_runtime import bind_runtime
 from fxshard.passes.shard_state import shard_state
 from fxshard.passes.cleanup import cleanup
@@ -112,7 +114,7 @@ def _without_layout(n: fx.Node) -> bool:
 
 
 _COMMUNICATING = frozenset((collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather, collectives.shard,
-                            collectives.all_to_all, collectives.grad_sync, collectives.grad_sync_bucket))
+                            collectives.all_to_all, collectives.grad_sync, collectives.grad_sync_bucket, gathered_linears_op))
 
 
 def _unexplained_collective(n: fx.Node) -> bool:
@@ -200,6 +202,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("insert_grad_syncs", insert_grad_syncs, requires=(LAYOUTS, COLLECTIVES), ensures=(COLLECTIVES,)),
     Pass("check_fsdp_axis", check_fsdp_axis, requires=(LAYOUTS, COLLECTIVES), when=_under_fsdp),
     Pass("bucket_grad_syncs", bucket_grad_syncs, requires=(COLLECTIVES,), ensures=(COLLECTIVES,)),
+    Pass("fuse_gathered_linears", fuse_gathered_linears, requires=(LAYOUTS, COLLECTIVES), ensures=(COLLECTIVES,)),
     # -- the program on this rank ----------------------------------------------------------------------
     Pass("bind_runtime", bind_runtime, ensures=(program("mesh"),), per_rank=True),
     Pass("shard_state", shard_state, requires=(LAYOUTS,), ensures=(program("state"),), per_rank=True),

@@ -105,16 +105,18 @@ def _check(rank: int, world_size: int) -> None:
     forward, backward = _compiled_vs_eager(lambda: fxshard.transform(model, plan, (ids,), blocks="auto"), ids, tgt,
                                            "tp=2 sequence parallel", 4)
     # fxshard's collectives inside the block's graphs: Megatron-SP's 2 all-gathers and 2 reduce-scatters
-    # each way, and the norms' bucket (kept within the block) all-reduced in the backward, each waited on
+    # each way, the column-parallel linears' inputs gathered again in the backward (their shards are
+    # what the forward keeps), and the norms' bucket (kept within the block) all-reduced, each waited on
     assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, wait_tensor=4), forward
-    assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, all_reduce=1, wait_tensor=5), backward
+    assert backward == Counter(all_gather_into_tensor=4, reduce_scatter_tensor=2, all_reduce=1, wait_tensor=7), backward
     # checkpointed blocks: the compiled graph holds the checkpoint, its backward recomputes the forward's collectives
     # (2 all-gathers, and 1 reduce-scatter: the block output's is not needed again)
     forward, backward = _compiled_vs_eager(
         lambda: fxshard.checkpoint_blocks(fxshard.transform(model, plan, (ids,), blocks="auto")), ids, tgt,
         "tp=2 sequence parallel, checkpointed", 4)
     assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2, wait_tensor=4), forward
-    assert backward == Counter(all_gather_into_tensor=4, reduce_scatter_tensor=3, all_reduce=1, wait_tensor=8), backward
+    # (and the linears' inputs gathered again for their weights' gradients, as without checkpointing)
+    assert backward == Counter(all_gather_into_tensor=6, reduce_scatter_tensor=3, all_reduce=1, wait_tensor=10), backward
 
     dp_mesh = make_mesh({"dp": 2})
     # fxshard's own syncs over dp, accumulated under no_sync: held back in the eager program; in the

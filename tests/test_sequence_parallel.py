@@ -47,11 +47,17 @@ def test_collectives_per_layer(kind):
     layers = "model.layers" if kind == "llama" else "model.h"
     for sp in (False, True):
         gm = fxshard.transform(_model(kind), Plan(MeshSpec(("tp",), (2,)), _plan(kind, sp)), (ids, tgt))
+        summary = fxshard.comm_summary(gm)
         for i in range(2):
             fwd, bwd = _static(gm, f"{layers}.{i}")
-            if sp:  # Megatron-SP: 2 all-gathers + 2 reduce-scatters each way
-                assert fwd == {"all-gather": 2, "reduce-scatter": 2}, (kind, i, fwd)
-                assert bwd == {"all-gather": 2, "reduce-scatter": 2}, (kind, i, bwd)
+            if sp:  # Megatron-SP: 2 all-gathers + 2 reduce-scatters forward; backward the same, and the
+                # inputs of the column-parallel linears gathered again (their shards are what is kept)
+                rows = {p: collections.Counter(r.kind for r in summary.select(p, region=f"{layers}.{i}"))
+                        for p in ("forward", "backward")}
+                fused = sum(r.op == "gathered_linears" for r in summary.select("forward", region=f"{layers}.{i}"))
+                assert fused == 2, (kind, i, fused)  # q|k|v (GPT-2: c_attn) and the MLP's up (and gate)
+                assert rows["forward"] == {"all_gather": 2, "reduce_scatter": 2}, (kind, i, rows)
+                assert rows["backward"] == {"all_gather": 2 + fused, "reduce_scatter": 2}, (kind, i, rows)
             else:
                 assert fwd == {"all-reduce": 2} and bwd == {"all-reduce": 2}, (kind, i, fwd, bwd)
         if sp:  # the sequence-parallel norms' weights (GPT-2: also LayerNorm biases and the two row-parallel
@@ -83,20 +89,19 @@ def test_runtime_counts_match_graph(kind, monkeypatch):
     model = _model(kind)  # built outside the simulation: inside it, factories make per-rank tensors
     with simulated({"tp": 2}) as mesh:
         gm = fxshard.transform(model, Plan(mesh, _plan(kind, True)), (ids, tgt))
-        fwd_static, bwd_static = _static(gm, "model")
+        summary = fxshard.comm_summary(gm)
         counter = _Counter(monkeypatch)
         loss = gm(ids, tgt)
         fwd = dict(counter.calls)
         counter.calls.clear()
         loss.backward()
         bwd = dict(counter.calls)
-    # loss parallel adds exactly three scalar-per-token all-reduces (max, sum-exp, target logit)
-    assert fwd.get("all_reduce", 0) == fwd_static.get("all-reduce", 0) + 3
-    assert fwd.get("all_gather", 0) == fwd_static["all-gather"]
-    assert fwd.get("reduce_scatter", 0) == fwd_static["reduce-scatter"]
-    assert bwd.get("all_gather", 0) == bwd_static["all-gather"]
-    assert bwd.get("reduce_scatter", 0) == bwd_static["reduce-scatter"]
-    assert bwd.get("all_reduce", 0) == bwd_static["all-reduce"]
+    # the summary lists the loss's three scalar-per-token all-reduces (max, sum-exp, target logit)
+    # and, per gathered_linears call, its gather forward, its gather again and its reduce-scatter backward
+    assert summary.count("forward", "all_reduce", region="") == 3
+    assert summary.count("backward", "all_gather") > summary.count("forward", "reduce_scatter")
+    assert fwd == dict(collections.Counter(r.kind for r in summary.forward)), (fwd, summary)
+    assert bwd == dict(collections.Counter(r.kind for r in summary.backward)), (bwd, summary)
 
 
 class TestGoldenDumps(TestCase):
@@ -104,52 +109,52 @@ class TestGoldenDumps(TestCase):
         ids, tgt = tokens(2, 8, V), tokens(2, 8, V, seed=1)
         gm = fxshard.transform(_model("gpt2"), Plan(MeshSpec(("tp",), (2,)), _plan("gpt2", True)), (ids, tgt))
         self.assertExpectedInline(fxshard.dump(gm, region="model.h.0.*", source=False), """\
-fxshard dump of WithLoss  mesh: tp=2  nodes: 43  collectives: 12 (all_gather@tp x5, grad_sync_bucket@tp x1, reduce_scatter@tp x5, shard@tp x1)
-communication per step: forward 13 (40.2 KiB)  backward 12 (45.5 KiB)
-   node                          op             target                                                                        tp                local                             global                            dtype    module
-   model_h_0_ln_1_weight         get_attr       model.h.0.ln_1.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_1
-   model_h_0_ln_1_bias           get_attr       model.h.0.ln_1.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_1
-   model_h_0_mlp_c_proj_bias     get_attr       model.h.0.mlp.c_proj.bias                                                     R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
-   model_h_0_ln_2_weight         get_attr       model.h.0.ln_2.weight                                                         R                 [64]                              [64]                              float32  model.h.0.ln_2
-   model_h_0_ln_2_bias           get_attr       model.h.0.ln_2.bias                                                           R                 [64]                              [64]                              float32  model.h.0.ln_2
-   model_h_0_attn_c_proj_bias    get_attr       model.h.0.attn.c_proj.bias                                                    R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
-   layer_norm                    call_function  F.layer_norm                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_1
->> all_gather                    call_function  fxshard.all_gather  [fwd all-gather | bwd reduce-scatter (grad sync folded)]  R                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn
-   getattr_3                     call_function  builtins.getattr                                                                                int                               (2, 8, 64)                                 model.h.0.attn
-   getitem_2                     call_function  operator.getitem                                                                                int                               2                                          model.h.0.attn
-   getitem_3                     call_function  operator.getitem                                                                                int                               8                                          model.h.0.attn
-   model_h_0_attn_c_attn_weight  get_attr       model.h.0.attn.c_attn.weight                                                  S(0)              [96, 64]                          [192, 64]                         float32  model.h.0.attn.c_attn
-   model_h_0_attn_c_attn_bias    get_attr       model.h.0.attn.c_attn.bias                                                    S(0)              [96]                              [192]                             float32  model.h.0.attn.c_attn
-   linear                        call_function  F.linear                                                                      S(2)              [2, 8, 96]                        [2, 8, 192]                       float32  model.h.0.attn.c_attn
-   split                         call_method    Tensor.split                                                                  (S(2),S(2),S(2))  [2, 8, 32] [2, 8, 32] [2, 8, 32]  [2, 8, 64] [2, 8, 64] [2, 8, 64]  float32  model.h.0.attn
-   getitem_5                     call_function  operator.getitem                                                              S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
-   getitem_6                     call_function  operator.getitem                                                              S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
-   getitem_7                     call_function  operator.getitem                                                              S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
-   view                          call_method    Tensor.view                                                                   S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
-   transpose                     call_method    Tensor.transpose                                                              S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
-   view_1                        call_method    Tensor.view                                                                   S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
-   transpose_1                   call_method    Tensor.transpose                                                              S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
-   view_2                        call_method    Tensor.view                                                                   S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
-   transpose_2                   call_method    Tensor.transpose                                                              S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
-   scaled_dot_product_attention  call_function  F.scaled_dot_product_attention                                                S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
-   transpose_3                   call_method    Tensor.transpose                                                              S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
-   reshape                       call_method    Tensor.reshape                                                                S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
-   model_h_0_attn_c_proj_weight  get_attr       model.h.0.attn.c_proj.weight                                                  S(1)              [64, 32]                          [64, 64]                          float32  model.h.0.attn.c_proj
-   linear_1                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
->> reduce_scatter_1              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
-   add_5                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
-   add_1                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0
-   layer_norm_1                  call_function  F.layer_norm                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_2
->> all_gather_1                  call_function  fxshard.all_gather  [fwd all-gather | bwd reduce-scatter (grad sync folded)]  R                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp
-   model_h_0_mlp_c_fc_weight     get_attr       model.h.0.mlp.c_fc.weight                                                     S(0)              [128, 64]                         [256, 64]                         float32  model.h.0.mlp.c_fc
-   model_h_0_mlp_c_fc_bias       get_attr       model.h.0.mlp.c_fc.bias                                                       S(0)              [128]                             [256]                             float32  model.h.0.mlp.c_fc
-   linear_2                      call_function  F.linear                                                                      S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp.c_fc
-   gelu                          call_function  F.gelu                                                                        S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp
-   model_h_0_mlp_c_proj_weight   get_attr       model.h.0.mlp.c_proj.weight                                                   S(1)              [64, 128]                         [64, 256]                         float32  model.h.0.mlp.c_proj
-   linear_3                      call_function  F.linear                                                                      P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
->> reduce_scatter_2              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                 S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
-   add_6                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
-   add_2                         call_function  operator.add                                                                  S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0""")
+fxshard dump of WithLoss  mesh: tp=2  nodes: 43  collectives: 12 (all_gather@tp x1, gathered_linears@tp x4, grad_sync_bucket@tp x1, reduce_scatter@tp x5, shard@tp x1)
+communication per step: forward 13 (40.2 KiB)  backward 16 (61.5 KiB)
+   node                          op             target                                                                              tp                local                             global                            dtype    module
+   model_h_0_ln_1_weight         get_attr       model.h.0.ln_1.weight                                                               R                 [64]                              [64]                              float32  model.h.0.ln_1
+   model_h_0_ln_1_bias           get_attr       model.h.0.ln_1.bias                                                                 R                 [64]                              [64]                              float32  model.h.0.ln_1
+   model_h_0_mlp_c_proj_bias     get_attr       model.h.0.mlp.c_proj.bias                                                           R                 [64]                              [64]                              float32  model.h.0.mlp.c_proj
+   model_h_0_ln_2_weight         get_attr       model.h.0.ln_2.weight                                                               R                 [64]                              [64]                              float32  model.h.0.ln_2
+   model_h_0_ln_2_bias           get_attr       model.h.0.ln_2.bias                                                                 R                 [64]                              [64]                              float32  model.h.0.ln_2
+   model_h_0_attn_c_proj_bias    get_attr       model.h.0.attn.c_proj.bias                                                          R                 [64]                              [64]                              float32  model.h.0.attn.c_proj
+   layer_norm                    call_function  F.layer_norm                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_1
+   model_h_0_attn_c_attn_weight  get_attr       model.h.0.attn.c_attn.weight                                                        S(0)              [96, 64]                          [192, 64]                         float32  model.h.0.attn.c_attn
+   model_h_0_attn_c_attn_bias    get_attr       model.h.0.attn.c_attn.bias                                                          S(0)              [96]                              [192]                             float32  model.h.0.attn.c_attn
+>> gathered_linears              call_function  fxshard.gathered_linears  [fwd all-gather | bwd all-gather again + reduce-scatter]  (S(2))            [2, 8, 96]                        [2, 8, 192]                       float32  model.h.0.attn
+   c_attn                        call_function  operator.getitem                                                                    S(2)              [2, 8, 96]                        [2, 8, 192]                       float32  model.h.0.attn.c_attn
+   getattr_3                     call_function  builtins.getattr                                                                                      int                               (2, 8, 64)                                 model.h.0.attn
+   getitem_2                     call_function  operator.getitem                                                                                      int                               2                                          model.h.0.attn
+   getitem_3                     call_function  operator.getitem                                                                                      int                               8                                          model.h.0.attn
+   split                         call_method    Tensor.split                                                                        (S(2),S(2),S(2))  [2, 8, 32] [2, 8, 32] [2, 8, 32]  [2, 8, 64] [2, 8, 64] [2, 8, 64]  float32  model.h.0.attn
+   getitem_5                     call_function  operator.getitem                                                                    S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
+   getitem_6                     call_function  operator.getitem                                                                    S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
+   getitem_7                     call_function  operator.getitem                                                                    S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
+   view                          call_method    Tensor.view                                                                         S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
+   transpose                     call_method    Tensor.transpose                                                                    S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
+   view_1                        call_method    Tensor.view                                                                         S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
+   transpose_1                   call_method    Tensor.transpose                                                                    S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
+   view_2                        call_method    Tensor.view                                                                         S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
+   transpose_2                   call_method    Tensor.transpose                                                                    S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
+   scaled_dot_product_attention  call_function  F.scaled_dot_product_attention                                                      S(1)              [2, 2, 8, 16]                     [2, 4, 8, 16]                     float32  model.h.0.attn
+   transpose_3                   call_method    Tensor.transpose                                                                    S(2)              [2, 8, 2, 16]                     [2, 8, 4, 16]                     float32  model.h.0.attn
+   reshape                       call_method    Tensor.reshape                                                                      S(2)              [2, 8, 32]                        [2, 8, 64]                        float32  model.h.0.attn
+   model_h_0_attn_c_proj_weight  get_attr       model.h.0.attn.c_proj.weight                                                        S(1)              [64, 32]                          [64, 64]                          float32  model.h.0.attn.c_proj
+   linear_1                      call_function  F.linear                                                                            P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
+>> reduce_scatter_1              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                       S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
+   add_5                         call_function  operator.add                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.attn.c_proj
+   add_1                         call_function  operator.add                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0
+   layer_norm_1                  call_function  F.layer_norm                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.ln_2
+   model_h_0_mlp_c_fc_weight     get_attr       model.h.0.mlp.c_fc.weight                                                           S(0)              [128, 64]                         [256, 64]                         float32  model.h.0.mlp.c_fc
+   model_h_0_mlp_c_fc_bias       get_attr       model.h.0.mlp.c_fc.bias                                                             S(0)              [128]                             [256]                             float32  model.h.0.mlp.c_fc
+>> gathered_linears_1            call_function  fxshard.gathered_linears  [fwd all-gather | bwd all-gather again + reduce-scatter]  (S(2))            [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp
+   c_fc                          call_function  operator.getitem                                                                    S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp.c_fc
+   gelu                          call_function  F.gelu                                                                              S(2)              [2, 8, 128]                       [2, 8, 256]                       float32  model.h.0.mlp
+   model_h_0_mlp_c_proj_weight   get_attr       model.h.0.mlp.c_proj.weight                                                         S(1)              [64, 128]                         [64, 256]                         float32  model.h.0.mlp.c_proj
+   linear_3                      call_function  F.linear                                                                            P                 [2, 8, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
+>> reduce_scatter_2              call_function  fxshard.reduce_scatter  [fwd reduce-scatter | bwd all-gather]                       S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
+   add_6                         call_function  operator.add                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0.mlp.c_proj
+   add_2                         call_function  operator.add                                                                        S(1)              [2, 4, 64]                        [2, 8, 64]                        float32  model.h.0""")
 
     def test_loss_parallel_head(self):
         ids, tgt = tokens(2, 8, V), tokens(2, 8, V, seed=1)

@@ -85,6 +85,7 @@ LAYERS = [
     ("transform", ["fxshard.transform"]),
     ("debugging", ["fxshard.debug"]),
     ("pipelining", ["fxshard.pipelining"]),
+    ("recipe", ["fxshard.recipe"]),
     ("testing and demo models", ["fxshard.testing"]),
     ("trainer", ["fxshard.trainer"]),
     ("planner", ["fxshard.planner"]),

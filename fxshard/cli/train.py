@@ -12,8 +12,10 @@ checkpoint (exit status 130).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from fxshard.recipe.parallel_dims import ParallelDims
 from fxshard.trainer.arguments import add_export_arguments, add_train_arguments
 from fxshard.trainer.errors import TrainerError
 
@@ -25,13 +27,15 @@ def add_parsers(sub) -> None:
     add_export_arguments(sub.add_parser("export", help="a trainer checkpoint as an HF checkpoint (save_pretrained)"))
 
 
-def resolve_auto_mesh(args) -> None:
+def resolve_auto_mesh(args) -> ParallelDims:
     """``--mesh auto``: the best entry of ``fxshard.plan_parallelism`` for this model, process
     count, ``--seq``, ``--batch`` and ``--memory-gib`` (default: the device's, a CPU's memory
     over ``LOCAL_WORLD_SIZE``; every rank plans the same, before the process group exists),
     with the gradient-accumulation passes (``--accum``: kept when above 1), the pipeline flags
-    and activation checkpointing it names unless given; ``args`` is updated in place and the
-    choice printed by rank 0."""
+    and activation checkpointing it names unless given; ``args`` is updated in place, the
+    choice printed by rank 0, and its :class:`~fxshard.recipe.parallel_dims.ParallelDims` returned.
+
+    Example: ``resolve_auto_mesh(args).mesh_spec``   # 'dp=2,tp=2', now also ``args.mesh``"""
     import os
 
     from fxshard.errors import PlanError
@@ -54,9 +58,10 @@ def resolve_auto_mesh(args) -> None:
         why = entries[0].reason if entries else "no candidate"
         raise TrainerError(f"--mesh auto: no mesh of {world} processes fits ({why})\n  fix: more processes or "
                            f"--memory-gib, a smaller --batch or --seq; python -m fxshard plan lists every candidate")
-    args.mesh = best.mesh_spec
+    dims = best.dims
+    args.mesh = dims.mesh_spec
     args.accum = best.accum  # the planner's passes (the user's, when --accum was above 1)
-    if best.mesh.get("pp", 1) > 1:
+    if dims.pp > 1:
         args.microbatches = args.microbatches or best.microbatches
         args.schedule = args.schedule or best.schedule
         args.virtual_stages = args.virtual_stages or (best.virtual if best.virtual > 1 else None)
@@ -67,11 +72,13 @@ def resolve_auto_mesh(args) -> None:
         print(f"mesh auto: {best.trainer_flags() or 'one process'} (predicted {best.step_time_s:.3g} s a step, "
               f"{best.memory['total'] / 2**30:.2f} GiB on the fullest rank; python -m fxshard plan lists every "
               f"candidate)", flush=True)
+    return dims
 
 
 def run_train(args) -> int:
     """The trainer's top level: the run's exit status, and what a failed or stopped run says,
-    said once.
+    said once.  Under torchrun the worker then exits at once with that status
+    (:func:`_exit_worker`).
 
     * a TrainerError / PlanError (a flag, file, mesh or checkpoint it cannot use): its message
       on stderr, exit status 2; under torchrun only from the first rank that failed (rank 0
@@ -80,8 +87,27 @@ def run_train(args) -> int:
     * Ctrl-C (SIGINT, which torchrun passes on to its workers): one line naming the last
       committed checkpoint, from rank 0; exit status 130.
     """
-    import os
+    status = _train_status(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _exit_worker(status)
+    return status
 
+
+def _exit_worker(status: int) -> None:
+    """End a torchrun worker whose run is over (its checkpoints committed, its log closed, its
+    process group destroyed) without the interpreter's teardown: under load, c10d's background
+    threads can abort a process while it tears down ("terminate called without an active
+    exception", SIGABRT), and torchrun would report a finished run as failed.  Python-level
+    finalizers (multiprocessing's) still run; the output is flushed."""
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _train_status(args) -> int:
     from fxshard.errors import PlanError
     from fxshard.trainer.loop import claim_failure, interrupted_message, run
 

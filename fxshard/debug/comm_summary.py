@@ -22,6 +22,7 @@ fxshard op          forward            backward
 ``all_to_all``      all-to-all         all-to-all
 ``grad_sync``       --                 all-reduce
 ``grad_sync_bucket``  --               one all-reduce of the members' gradients
+``gathered_linears``  all-gather       all-gather (the kept shard, again), reduce-scatter
 ``ring_attention``  n-1 ring shifts    2n-1 ring shifts (K, V with dK, dV)
 ==================  =================  ==========================================
 
@@ -272,7 +273,10 @@ def graph_rows(gm: fx.GraphModule, mesh: dict, region: str | None, inputs_grad: 
             size = node.kwargs.get("replicas") or mesh.get(axis, 0)  # replicated heads: a group of the axis
             if size == 1:
                 continue  # the runtime returns its input unchanged
-            if phase == "backward" and (not _carries_grad(node.args[0] if node.args else None, grad) or node in dead):
+            carrier = node.args[0] if node.args else None
+            if op == "gathered_linears" and kind == "all_gather":  # gathered again for the weights' gradients too
+                carrier = [node.args[0], *node.args[3]]
+            if phase == "backward" and (not _carries_grad(carrier, grad) or node in dead):
                 continue  # no gradient flows through this node, or none comes back to it
             shape, dtype = tuple(buffer.local_shape), buffer.dtype
             row = CommRow(phase, kind, axis, size, node.name, op, reg, shape, dtype,
@@ -323,6 +327,11 @@ def _calls(node: fx.Node) -> list[tuple]:
         return [("backward", "all_reduce", coll.axis, flat, coll.op, coll.purpose)]
     if coll is not None and coll.op == "ring_attention":
         return _ring_calls(node, coll)
+    if coll is not None and coll.op == "gathered_linears":  # the linears' input: gathered, and again backward
+        whole = node.meta[KEY].extra["gathered"]
+        return [("forward", "all_gather", coll.axis, whole, coll.op, coll.purpose),  # backward rows: listed reversed
+                ("backward", "reduce_scatter", coll.axis, whole, coll.op, coll.purpose),
+                ("backward", "all_gather", coll.axis, whole, coll.op, coll.purpose)]
     if coll is not None:
         src, out = _tensor(node.args[0] if node.args else None), _tensor(node)
         buffers = [v for v in (src, out) if v is not None]

@@ -173,7 +173,7 @@ class Plan:
         """The parallel plans a transformers model ships, as an fxshard Plan.
 
         Reads ``config.base_model_tp_plan`` and the head's ``_tp_plan`` (HF's style
-        strings, ``"colwise"``, ``"rowwise"``, ...; see :mod:`fxshard.plan.hf_plan`
+        strings, ``"colwise"``, ``"rowwise"``, ...; see :mod:`fxshard.plan.importers.hf_plan`
         for the mapping) when the mesh has ``axis``, and ``config.base_model_ep_plan``
         (the routed experts split over the experts) when it has ``ep_axis``; entries for
         modules this model lacks are dropped, a tied LM head and embedding get one
@@ -188,7 +188,7 @@ class Plan:
             print(plan)   # 'model.layers.*.self_attn.q_proj': ModuleSpec(style='colwise', ...)
             plan = fxshard.Plan.from_hf(ep_tp_mesh, mixtral)   # experts: routed_experts(ep='ep', tp='tp')
         """
-        from fxshard.plan.hf_plan import specs_from_hf  # duck-typed on the model: transformers is never imported
+        from fxshard.plan.importers.hf_plan import specs_from_hf  # duck-typed on the model: transformers is never imported
 
         entries = specs_from_hf(mesh, model, axis=axis, ep_axis=ep_axis, sequence_parallel=sequence_parallel,
                             loss_parallel=loss_parallel)
@@ -200,7 +200,7 @@ class Plan:
         """Convert a ``parallelize_module`` plan (style *instances*) into an fxshard Plan.
 
         Every field of every style is translated or refused with a PlanError that names
-        the entry and the fix (see :mod:`fxshard.plan.torch_plan` for the table):
+        the entry and the fix (see :mod:`fxshard.plan.importers.torch_plan` for the table):
         ``ColwiseParallel``/``RowwiseParallel`` keep their ``input_layouts`` and
         ``output_layouts``; ``SequenceParallel`` becomes :func:`sequence_parallel`;
         ``PrepareModuleInput``/``PrepareModuleOutput``/``PrepareModuleInputOutput``
@@ -214,7 +214,7 @@ class Plan:
 
             Plan.from_torch(mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         """
-        from fxshard.plan.torch_plan import specs_from_torch
+        from fxshard.plan.importers.torch_plan import specs_from_torch
 
         entries = specs_from_torch(mesh, parallelize_plan, axis=axis, inputs=inputs)
         return cls(mesh, entries.specs, inputs=entries.inputs)
@@ -224,7 +224,7 @@ class Plan:
         """torchtitan's own tensor/sequence-parallel plan for ``model`` (a torchtitan
         decoder such as ``Llama3Model``, built from its config), converted.
 
-        Keywords (see :func:`fxshard.plan.torchtitan_plan.specs_from_torchtitan`):
+        Keywords (see :func:`fxshard.plan.importers.torchtitan_plan.specs_from_torchtitan`):
         ``axis="tp"``, ``loss_parallel=False``, ``sequence_parallel=True``, ``inputs``.
 
         Example::
@@ -232,7 +232,7 @@ class Plan:
             plan = Plan.from_torchtitan(MeshSpec(("tp",), (2,)), model, loss_parallel=True)
             plan.specs["lm_head"].out_dst        # {'tp': Shard(dim=-1)}
         """
-        from fxshard.plan.torchtitan_plan import specs_from_torchtitan  # torchtitan is optional: import it on use
+        from fxshard.plan.importers.torchtitan_plan import specs_from_torchtitan  # torchtitan is optional: import it on use
 
         entries = specs_from_torchtitan(mesh, model, **kw)
         return cls(mesh, entries.specs, inputs=entries.inputs)

@@ -328,7 +328,7 @@ def pattern_regex(pattern: str) -> re.Pattern:
 
 
 class PlanEntries(NamedTuple):
-    """What an importer (``fxshard.plan.hf_plan`` and its siblings) reads off a model or a
+    """What an importer (``fxshard.plan.importers.hf_plan`` and its siblings) reads off a model or a
     foreign plan: the entries ``{fqn_pattern: ModuleSpec}`` and the input layouts, plain
     data that :class:`fxshard.Plan` is built from."""
 

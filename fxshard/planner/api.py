@@ -28,6 +28,7 @@ from fxshard.planner.estimate import MEMORY_KEYS, RankEstimate, estimate
 from fxshard.planner.facts import Captures, ProgramFacts, SubPlan, program_facts, register_plans
 from fxshard.planner.model import PlannedModel
 from fxshard.planner.offline import refuse_if_distributed
+from fxshard.recipe.parallel_dims import ParallelDims
 
 GIB = 1 << 30
 
@@ -62,6 +63,11 @@ class PlanEntry:
     def mesh_spec(self) -> str:
         """The trainer's ``--mesh``: ``"dp=2,tp=2"``."""
         return self.candidate.mesh_spec
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh as the trainer's typed state (what ``python -m fxshard train --mesh auto`` runs)."""
+        return self.candidate.dims
 
     def trainer_flags(self) -> str:
         """``--mesh ... [--accum A] [--microbatches M --schedule S] [--activation-checkpointing MODE]``."""

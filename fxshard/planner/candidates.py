@@ -1,9 +1,12 @@
 """The meshes worth evaluating, and the divisibility that rules others out before any work.
 
-A :class:`Candidate` is a mesh over the trainer's five axes (``dp``, ``tp``, ``pp``, ``cp``,
-``ep``: ``python -m fxshard train --mesh``), the pipeline's micro-batches and schedule, and
-whether blocks recompute their activations.  :func:`enumerate_candidates` lists every way to
-factor the world size, pruned by what the model and the batch allow:
+A :class:`Candidate` is a mesh (a :class:`~fxshard.recipe.parallel_dims.ParallelDims` over the
+trainer's axes ``dp``, ``tp``, ``pp``, ``cp``, ``ep``: ``python -m fxshard train --mesh``; HSDP's
+``dp_replicate`` is not searched), the pipeline's micro-batches and schedule, and whether blocks
+recompute their activations.  :func:`enumerate_candidates` lists every way to factor the world
+size, pruned by what the model and the batch allow (what must divide is
+:meth:`ParallelDims.check <fxshard.recipe.parallel_dims.ParallelDims.check>`'s, the trainer's
+rules; the node and long-sequence limits are the planner's own choices):
 
 - ``tp`` divides the attention heads and stays within a node (``gpus_per_node``): across
   nodes its per-layer all-reduces would run at the network's speed;
@@ -34,18 +37,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fxshard.planner.facts import SubPlan
+from fxshard.recipe.parallel_dims import AXES, MeshError, ParallelDims
 from fxshard.training.checkpointing import parse_checkpointing
 
-AXES = ("dp", "tp", "pp", "cp", "ep")
-TRAINER_ORDER = ("pp", "dp", "cp", "ep", "tp")  # fxshard.trainer.parallel_dims.AXES: the mesh's dim order
+SEARCHED_AXES = tuple(a for a in AXES if a != "dp_replicate")  # in the mesh's order; HSDP is not searched
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration of the trainer: mesh, micro-batches, schedule, recomputation, and
-    ``accum`` gradient-accumulation passes per optimizer step (``--accum``)."""
+    """One configuration of the trainer: mesh (``dims``), micro-batches, schedule,
+    recomputation, and ``accum`` gradient-accumulation passes per optimizer step (``--accum``).
 
-    mesh: dict = field(hash=False, compare=False)
+    Example::
+
+        c = Candidate.make({"dp": 2, "tp": 2})
+        c.dims, c.mesh_spec          # ParallelDims(dp=2, tp=2), 'dp=2,tp=2'
+    """
+
+    dims: ParallelDims = field(hash=False, compare=False)
     microbatches: int = 1
     schedule: str | None = None
     virtual: int = 1
@@ -54,16 +63,23 @@ class Candidate:
     accum: int = 1
 
     @classmethod
-    def make(cls, mesh: dict, microbatches: int = 1, schedule: str | None = None, virtual: int = 1,
+    def make(cls, mesh: dict | ParallelDims, microbatches: int = 1, schedule: str | None = None, virtual: int = 1,
              activation_checkpointing: str | bool = "none", accum: int = 1) -> "Candidate":
-        full = {a: int(mesh.get(a, 1)) for a in AXES}
+        """``mesh``: a ParallelDims, or a dict of degrees (``{"dp": 2, "tp": 2}``; absent axes 1)."""
+        dims = mesh if isinstance(mesh, ParallelDims) else ParallelDims(**{a: int(mesh.get(a, 1)) for a in SEARCHED_AXES})
         activation_checkpointing = checkpointing_name(activation_checkpointing)
-        key = (tuple(full.values()), microbatches, schedule, virtual, activation_checkpointing, accum)
-        return cls(full, microbatches, schedule, virtual, activation_checkpointing, key, accum)
+        degrees = tuple(getattr(dims, a) for a in SEARCHED_AXES)
+        key = (degrees, microbatches, schedule, virtual, activation_checkpointing, accum)
+        return cls(dims, microbatches, schedule, virtual, activation_checkpointing, key, accum)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The degree of every searched axis, in the mesh's order (``{"pp": 1, "dp": 2, ...}``)."""
+        return {a: getattr(self.dims, a) for a in SEARCHED_AXES}
 
     def with_accum(self, accum: int) -> "Candidate":
         """The same configuration in ``accum`` passes per step."""
-        return Candidate.make(self.mesh, self.microbatches, self.schedule, self.virtual, self.activation_checkpointing,
+        return Candidate.make(self.dims, self.microbatches, self.schedule, self.virtual, self.activation_checkpointing,
                               accum)
 
     def micro_rows(self, global_batch: int) -> float:
@@ -77,13 +93,12 @@ class Candidate:
 
     @property
     def subplan(self) -> SubPlan:
-        m = self.mesh
-        return SubPlan(tp=m["tp"], cp=m["cp"], ep=m["ep"], cp_gathered=m["cp"] > 1 and m["pp"] > 1)
+        return SubPlan.of(self.dims)
 
     @property
     def mesh_spec(self) -> str:
         """The trainer's ``--mesh`` (``"dp=2,tp=2"``; ``""`` for one process)."""
-        return ",".join(f"{a}={self.mesh[a]}" for a in TRAINER_ORDER if self.mesh[a] > 1)
+        return self.dims.mesh_spec
 
     def trainer_flags(self) -> str:
         """The flags of ``python -m fxshard train`` that run this candidate."""
@@ -101,34 +116,14 @@ class Candidate:
 
 def divisibility(c: Candidate, world: int, *, seq: int, global_batch: int, n_blocks: int, heads: int | None,
                  experts: int | None) -> str | None:
-    """Why ``c`` cannot run (the first rule it breaks), or ``None``."""
-    m = c.mesh
-    product = m["dp"] * m["tp"] * m["pp"] * m["cp"] * m["ep"]
-    if product != world:
-        return f"the mesh has {product} ranks, not {world}"
-    if global_batch % m["dp"]:
-        return f"dp={m['dp']} does not divide the global batch of {global_batch} rows"
-    rows = global_batch // m["dp"]
-    if c.accum < 1 or rows % c.accum:
-        return f"accum={c.accum} passes do not divide each dp rank's {rows} rows"
-    if (rows // c.accum) % c.microbatches:
-        per = f"each pass's {rows // c.accum}" if c.accum > 1 else f"each dp rank's {rows}"
-        return f"{c.microbatches} micro-batches do not divide {per} rows"
-    if heads is not None and (m["tp"] > heads or heads % m["tp"]):
-        return f"tp={m['tp']} does not divide the {heads} attention heads"
-    pieces = m["cp"] * (2 if m["pp"] == 1 and m["cp"] > 1 else 1)  # load-balanced: two pieces per rank
-    if seq % pieces:
-        return f"cp={m['cp']} does not divide the sequence of {seq} tokens into {pieces} pieces"
-    if m["ep"] > 1 and not experts:
-        return f"ep={m['ep']}: the model has no routed experts"
-    if m["ep"] > 1 and experts % m["ep"]:
-        return f"ep={m['ep']} does not divide the {experts} experts"
-    if m["pp"] * c.virtual > n_blocks:
-        return f"pp={m['pp']} x {c.virtual} stages per rank is more than the {n_blocks} blocks"
-    if m["pp"] > 1 and c.virtual > 1 and c.microbatches % m["pp"]:
-        return f"{c.schedule} needs micro-batches a multiple of pp={m['pp']}"
-    if m["pp"] > 1 and c.schedule != "GPipe" and c.microbatches < m["pp"]:
-        return f"{c.schedule} needs at least as many micro-batches as pp={m['pp']} (torch refuses fewer)"
+    """Why ``c`` cannot run (the first rule of ``ParallelDims.check`` it breaks), or ``None``.
+    ``experts``: the model's routed experts (``None``: it has none)."""
+    try:
+        c.dims.check(world_size=world, batch=global_batch, accum=c.accum, microbatches=c.microbatches,
+                     schedule=c.schedule, virtual=c.virtual, seq=seq, heads=heads, experts=experts or 0,
+                     n_blocks=n_blocks)
+    except MeshError as e:
+        return e.reason
     return None
 
 
@@ -140,27 +135,26 @@ def enumerate_candidates(world: int, *, seq: int, global_batch: int, n_blocks: i
     with reasons, by :func:`divisibility`)."""
     out = []
     for tp in _divisors(world):
-        if tp > gpus_per_node or (heads is not None and heads % tp):
+        if tp > gpus_per_node:
             continue
         for cp in _divisors(world // tp):
             if cp > 1 and seq < long_seq:
                 continue
             for ep in _divisors(world // (tp * cp)):
-                if ep > 1 and (not experts or experts % ep):
-                    continue
                 for pp in _divisors(world // (tp * cp * ep)):
-                    dp = world // (tp * cp * ep * pp)
-                    if pp > n_blocks or global_batch % dp:
+                    dims = ParallelDims(dp=world // (tp * cp * ep * pp), tp=tp, pp=pp, cp=cp, ep=ep)
+                    try:  # the rules a mesh breaks whatever its micro-batches and schedule
+                        dims.check(batch=global_batch, heads=heads, experts=experts or 0, n_blocks=n_blocks)
+                    except MeshError:
                         continue
-                    mesh = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
                     for ac in checkpointing:
                         if pp == 1:
-                            out.append(Candidate.make(mesh, activation_checkpointing=ac))
+                            out.append(Candidate.make(dims, activation_checkpointing=ac))
                             continue
                         for m in (pp, 2 * pp, 4 * pp):
                             for schedule in schedules:
                                 virtual = 2 if schedule.startswith("Interleaved") else 1
-                                out.append(Candidate.make(mesh, m, schedule, virtual, ac))
+                                out.append(Candidate.make(dims, m, schedule, virtual, ac))
     return out
 
 
@@ -177,7 +171,7 @@ def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candida
     """A user's candidate: ``{"tp": 2}`` (dp takes the remaining ranks), optionally with
     ``microbatches``, ``schedule``, ``virtual``, ``activation_checkpointing``, ``accum``
     (absent: the planner takes the fewest passes that fit; see :func:`accum_choices`)."""
-    mesh = {a: int(spec[a]) for a in AXES if a in spec}
+    mesh = {a: int(spec[a]) for a in SEARCHED_AXES if a in spec}
     if "dp" not in mesh:
         rest = 1
         for n in mesh.values():

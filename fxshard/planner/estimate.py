@@ -6,7 +6,8 @@ Per pipeline rank (all ranks are alike without pp):
   ``fxshard.pipelining.stage_costs`` (FLOPs, parameter bytes, activation bytes of each unit, from
   the program's recorded shapes at one micro-batch, a block's whatever wraps it) and its balance;
 - **memory**: parameters are the program's local shapes, divided by FSDP2 over dp x cp (dp
-  under pp) the way it divides them (dim 0 padded to a multiple of that); gradients as many bytes (fp32), and under
+  under pp) the way the trainer's FSDP2 cuts them (``fsdp_shard_numel``: dim 0, or the first dim those
+  ranks divide, such as an ep rank's stacked experts' dim 1; padded where none divides); gradients as many bytes (fp32), and under
   gradient accumulation (``accum > 1``) with FSDP2 the unsharded fp32 gradients it accumulates
   between the passes (the trainer's ``no_sync``: ``set_requires_gradient_sync(False)``); AdamW
   two states of the same size.  Activations: what each block keeps for the backward at this
@@ -45,9 +46,11 @@ from dataclasses import dataclass, field
 from fxshard.plan.pipeline import pipeline
 from fxshard.pipelining.stage_costs import balanced_stages
 from fxshard.planner.calibration import Calibration
-from fxshard.planner.candidates import TRAINER_ORDER, Candidate
+from fxshard.planner.candidates import Candidate
 from fxshard.planner.facts import ROWS, ProgramFacts, UnitFacts
 from fxshard.planner.offline import AFTER, BEFORE
+from fxshard.recipe.parallel_dims import AXES as TRAINER_ORDER  # the mesh's dim order
+from fxshard.training.fsdp import fsdp_shard_numel
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "total")
 
@@ -189,13 +192,9 @@ def _in_flight(c: Candidate, pp_rank: int) -> float:
 
 
 def _fsdp_bytes(params, dp: int) -> float:
-    """What FSDP2 keeps of each parameter on one rank: dim 0 padded to a multiple of dp, divided."""
-    total = 0
-    for _, shape, size in params:
-        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-        d0 = shape[0] if shape else 1
-        total += -(-d0 // dp) * rest * size
-    return total
+    """What FSDP2 keeps of each parameter on one rank: the trainer's cut (``fsdp_shard_numel``:
+    dim 0, or the first dim dp divides, such as an ep rank's stacked experts' dim 1), padded."""
+    return sum(fsdp_shard_numel(shape, dp) * size for _, shape, size in params)
 
 
 def _checkpointed(c: Candidate, blocks: list[int]) -> tuple[str, set[int]]:
@@ -348,8 +347,7 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
     gather_size = 0.5 if bf16 else 1.0
     total, seconds, first = 0.0, 0.0, 0.0
     for u in units:
-        padded = sum(-(-shape[0] // dp) * dp * (math.prod(shape[1:]) if len(shape) > 1 else 1) * size
-                     for _, shape, size in u.params if shape)
+        padded = sum(fsdp_shard_numel(shape, dp) * dp * size for _, shape, size in u.params if shape)
         if not padded:
             continue
         # a block is gathered for each micro-batch's forward and once for the backward (torch's stage keeps it

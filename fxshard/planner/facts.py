@@ -5,7 +5,7 @@ and ``ep`` (and whether cp runs under pp, whose recipe gathers the sequence befo
 ``dp`` (FSDP2 divides what each rank stores, the program is the same) and ``pp`` (the program
 is cut between blocks) are derived from these facts by arithmetic (``estimate.py``).
 
-For a sub-plan the planner builds the trainer's plan (``fxshard.trainer.parallelize.build_plan``)
+For a sub-plan the planner builds the recipe's plan (``fxshard.recipe.plan_for_mesh``, the trainer's)
 on an offline mesh (``offline.py``), transforms the captured prefix of the model
 (``model.py``: one block of each kind) and reads, per *unit* ("<before>" the first block, each
 captured block, "<after>" the last with the loss):
@@ -41,6 +41,8 @@ from fxshard.pipelining.stage_costs import StageCost, unit_costs
 from fxshard.plan.plan import Plan
 from fxshard.planner.model import PlannedModel
 from fxshard.planner.offline import AFTER, BEFORE, ForwardCounts, measure_forward, offline_mesh
+from fxshard.recipe.parallel_dims import ParallelDims
+from fxshard.recipe.plan_for_mesh import plan_for_mesh, sharded_logits
 from fxshard.training.batch import equal_pieces
 from fxshard.transform import transform
 
@@ -50,12 +52,26 @@ PARAM_SYNCS = ("grad_sync", "grad_sync_bucket")
 
 @dataclass(frozen=True)
 class SubPlan:
-    """The degrees that change the program (1: the axis is not used)."""
+    """The degrees that change the program (1: the axis is not used): a candidate's
+    :class:`~fxshard.recipe.parallel_dims.ParallelDims` less dp and pp.
+
+    Example: ``SubPlan.of(ParallelDims(dp=2, pp=2, cp=2))`` -> ``SubPlan(cp=2, cp_gathered=True)``
+    """
 
     tp: int = 1
     cp: int = 1
     ep: int = 1
     cp_gathered: bool = False  # cp under pp: contiguous pieces, the final norm's output gathered
+
+    @classmethod
+    def of(cls, dims: ParallelDims) -> "SubPlan":
+        """The sub-plan of a mesh: its tp, cp and ep, and whether cp's sequence is gathered before the head."""
+        return cls(tp=dims.tp, cp=dims.cp, ep=dims.ep, cp_gathered=dims.gathers_sequence_before_head)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees of the program's axes (no dp, no pp: one stage's program, whatever the pipeline)."""
+        return ParallelDims(tp=self.tp, cp=self.cp, ep=self.ep, spec=str(self))
 
     @property
     def axes(self) -> dict[str, int]:
@@ -161,20 +177,17 @@ class ProgramFacts:
 
 
 def build_subplan_plan(planned: PlannedModel, subplan: SubPlan, mesh):
-    """The trainer's plan for ``subplan`` over ``mesh`` (the offline mesh of its axes); the
-    plan of no sharding (a one-rank MeshSpec) when it has no axis."""
-    from fxshard.trainer.errors import TrainerError
-    from fxshard.trainer.parallel_dims import ParallelDims
-    from fxshard.trainer.parallelize import ParallelOptions, build_plan
+    """The recipe's plan for ``subplan`` over ``mesh`` (the offline mesh of its axes): the
+    plan the trainer runs within a stage (:func:`~fxshard.recipe.plan_for_mesh.plan_for_mesh`),
+    cp's sequence gathered before the head when the sub-plan's mesh has pp; the plan of no
+    sharding (a one-rank MeshSpec) when it has no axis.  A plan the model refuses is a PlanError.
 
-    dims = ParallelDims(tp=subplan.tp, cp=subplan.cp, ep=subplan.ep, pp=2 if subplan.cp_gathered else 1, spec=str(subplan))
-    try:
-        plan, _ = build_plan(planned.model, planned.source, dims, mesh, ParallelOptions(microbatches=2))
-    except TrainerError as e:
-        raise PlanError(str(e)) from None
+    Example: ``build_subplan_plan(planned, SubPlan(tp=2), mesh).specs``   # Megatron's tp entries
+    """
+    plan = plan_for_mesh(planned.model, subplan.dims, mesh, gather_sequence_before_head=subplan.cp_gathered)
     if plan is None:
         return Plan(MeshSpec(("tp",), (1,)), {})
-    return Plan(plan.mesh, plan.specs, plan.inputs)  # without its pipeline: the program before the cut
+    return Plan(plan.mesh, plan.specs, plan.inputs)  # without FSDP2's axes: dp is not among the sub-plan's
 
 
 class Captures:
@@ -238,7 +251,6 @@ def program_facts(captures: Captures, subplan: SubPlan, dtype: torch.dtype = tor
     """The facts of ``subplan``'s program, its forward run in ``dtype`` (bf16: the parameters
     FSDP2's mixed precision gathers).  A plan the model refuses is its ``PlanError``."""
     from fxshard.training.token_loss import token_loss_sum
-    from fxshard.trainer.parallelize import sharded_logits
 
     t0 = time.perf_counter()
     planned, seq = captures.planned, captures.seq

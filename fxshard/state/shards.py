@@ -145,7 +145,8 @@ def assemble(runs: Runs, read: Callable[[Box], torch.Tensor], out: torch.Tensor)
 def runs_of(gm, fqn: str, mesh, local: torch.Tensor) -> Runs:
     """The runs of ``gm``'s state tensor ``fqn`` on this rank (``gm`` from
     :func:`fxshard.transform`).  A tensor FSDP2 also sharded (a ``DTensor`` over the FSDP
-    axis, dim 0 cut in ``torch.chunk`` pieces of fxshard's shard) is cut once more."""
+    axis, cut in ``torch.chunk`` pieces of fxshard's shard along the dim its placement names: dim 0,
+    or dim 1 of an ep rank's stacked experts, ``fxshard.fully_shard``'s rule) is cut once more."""
     from torch.distributed.tensor import DTensor
 
     from fxshard.plan.mesh import mesh_coordinate, mesh_shape
@@ -170,7 +171,7 @@ def copies(layout: dict | None, axes: dict, heads: HeadReplicas | None = None, d
     sizes of the axes the layout does not shard (a replicated norm weight on ``tp=2``:
     2), the ``size // heads`` ranks that share a replicated KV head, and nothing over
     ``distinct_axes`` (axes on which each rank holds its own piece although the layout
-    does not say so: FSDP2's dim-0 piece, a module-list expert that lives on one rank).
+    does not say so: FSDP2's piece, on whichever dim, a module-list expert that lives on one rank).
     A sum over boxes (a norm, a count) counts each box once by weighting it ``1 / copies``."""
     n = 1
     for axis, size in axes.items():

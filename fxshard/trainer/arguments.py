@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxshard.trainer.parallel_dims import AXIS_HELP
+from fxshard.recipe.parallel_dims import AXIS_HELP
 
 EPILOG = ("mesh axes: " + "; ".join(f"{a}: {h}" for a, h in AXIS_HELP.items()) +
           ".  --model: a local HF checkpoint directory (save_pretrained's config.json, *.safetensors, tokenizer), "

@@ -38,7 +38,7 @@ from fxshard.trainer.export import (check_output_dir, export_checkpoint, make_sc
                                     remove_scratch_dir, save_model_dir)
 from fxshard.trainer.metrics import MetricsLogger, Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 from fxshard.trainer.models import ModelSource, parse_overrides
-from fxshard.trainer.parallel_dims import ParallelDims
+from fxshard.recipe.parallel_dims import ParallelDims
 from fxshard.trainer.parallelize import ParallelOptions, Program, enable_hf_checkpointing, parallelize
 
 VOCAB_MULTIPLE = 64  # a model built from its type gets the tokenizer's vocabulary padded to this

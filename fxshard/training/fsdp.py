@@ -25,6 +25,12 @@ a flattened mesh dim, ``mesh["dp_replicate", "dp_shard"]._flatten("dp")``, and
 ``(dp_replicate, dp_shard_cp)``: replicated over the first, sharded over the second; the
 gradients are still averaged over all of dp.
 
+Each parameter is cut on the dim :func:`fsdp_shard_dim` names: dim 0 (FSDP2's default)
+unless the FSDP ranks do not divide it, then the first dim they divide.  An expert-parallel
+rank's stacked experts (``[E/ep, 2I, H]``) over more FSDP ranks than it has experts are cut
+on dim 1, as torchtitan's ``Shard(1)``: on dim 0 the whole expert would stay on one rank.
+The planner's memory model takes the same function (:func:`fsdp_shard_numel`).
+
 Until :func:`fully_shard` has run, calling the module raises ``PlanError``: no one
 would sync the gradients over the axis.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Sequence
 
 import torch.fx as fx
 from torch.distributed._local_tensor import enabled_local_tensor_mode
@@ -41,7 +48,7 @@ from fxshard.errors import PlanError
 from fxshard.meta import pipeline_of, program_meta
 from fxshard.training.grad_norm import track_parameters
 
-__all__ = ["fully_shard"]
+__all__ = ["fully_shard", "fsdp_shard_dim", "fsdp_shard_numel"]
 
 
 def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ...] | None = None,
@@ -56,7 +63,9 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ..
     plan's); ``replicate``: HSDP, ``{plan axis: (replicate dim, shard dim)}`` where the plan's
     axis is the flattening of those two mesh dims: FSDP2 on the 2-D mesh (the replicate dim,
     the shard dim x the other FSDP axes), replicated outside, sharded inside; ``fsdp_kwargs`` go to every
-    ``fully_shard`` call (``mp_policy=``, ``reshard_after_forward=``, ...).  Blocks
+    ``fully_shard`` call (``mp_policy=``, ``reshard_after_forward=``, ...).  Each parameter
+    is cut on :func:`fsdp_shard_dim`'s dim (a ``shard_placement_fn=`` given here replaces
+    that rule, and the planner's figures with it).  Blocks
     already wrapped by hand (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``)
     are left as they are.  A pipelined module (:func:`fxshard.pipeline_transform`): the
     same on each of this rank's stages (each block, then the stage); the module's
@@ -105,6 +114,8 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ..
         raise PlanError(f"fxshard.fully_shard: the mesh has axes {list(names)}, not the plan's FSDP axes {_show(missing)}\n"
                         f"  fix: pass the mesh the plan was made with")
     fsdp_mesh, spans = _fsdp_mesh(mesh, owned, replicate)
+    if "shard_placement_fn" not in fsdp_kwargs:
+        fsdp_kwargs["shard_placement_fn"] = _placement_over(fsdp_mesh.size(fsdp_mesh.ndim - 1))  # the shard dim
     for fqn in program.fsdp_units or ():
         block = sharded.get_submodule(fqn)
         if not isinstance(block, FSDPModule):
@@ -125,6 +136,53 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ..
                     m.set_force_sum_reduction_for_comms(True)
     track_parameters(sharded)  # FSDP2 replaced the parameters by DTensors
     return sharded
+
+
+def fsdp_shard_dim(shape: Sequence[int], ranks: int) -> int:
+    """The dim FSDP2 cuts a parameter of (this rank's) ``shape`` on over ``ranks`` ranks:
+    dim 0 when ``ranks`` divides it, else the first dim ``ranks`` divides, else dim 0
+    (FSDP2 pads it: ``torch.chunk`` pieces; it cuts no other dim unevenly).  The rule of
+    :func:`fully_shard` and of the planner's memory model.
+
+    Why: an expert-parallel rank's stacked experts have ``E/ep`` rows on dim 0; over more
+    FSDP ranks than that, dim 0 would leave each expert whole on one rank (Mixtral-8x7B at
+    ep=8, dp=8: 1 expert per ep rank, 5.6 billion parameters on one rank of 8), so torchtitan
+    shards them on dim 1.
+
+    Example: ``fsdp_shard_dim((1, 28672, 4096), 8) == 1``, ``fsdp_shard_dim((32000, 4096), 8) == 0``,
+    ``fsdp_shard_dim((7, 5), 2) == 0`` (nothing divides: dim 0, padded)
+    """
+    for dim, size in enumerate(shape):
+        if size > 0 and size % ranks == 0:
+            return dim
+    return 0
+
+
+def fsdp_shard_numel(shape: Sequence[int], ranks: int) -> int:
+    """How many elements of a parameter of (this rank's) ``shape`` one of ``ranks`` FSDP2
+    ranks stores (padding included: FSDP2 allocates every rank's piece at the largest
+    piece's size), cut on :func:`fsdp_shard_dim`.  The planner's parameter, gradient and
+    optimizer bytes, and its all-gather sizes (``ranks *`` this).
+
+    Example: ``fsdp_shard_numel((1, 28672, 4096), 8) == 28672 * 4096 // 8``,
+    ``fsdp_shard_numel((7, 5), 2) == 4 * 5``
+    """
+    if not shape:  # a 0-d parameter (FSDP2 cuts none): whole on every rank
+        return 1
+    if math.prod(shape) == 0:
+        return 0
+    dim = fsdp_shard_dim(shape, ranks)
+    return -(-shape[dim] // ranks) * (math.prod(shape) // shape[dim])
+
+
+def _placement_over(ranks: int):
+    """FSDP2's ``shard_placement_fn``: each parameter on :func:`fsdp_shard_dim`'s dim."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param):
+        return Shard(fsdp_shard_dim(tuple(param.shape), ranks))
+
+    return placement
 
 
 def _axes(axes) -> tuple[str, ...]:

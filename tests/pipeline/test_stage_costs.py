@@ -24,7 +24,7 @@ from fxshard.plan.pipeline import pipeline  # noqa: E402
 from fxshard.plan.plan import Plan  # noqa: E402
 from fxshard.planner.offline import offline_mesh  # noqa: E402
 from fxshard.trainer.models import ModelSource  # noqa: E402
-from fxshard.trainer.parallel_dims import AXES, ParallelDims  # noqa: E402
+from fxshard.recipe.parallel_dims import AXES, ParallelDims  # noqa: E402
 from fxshard.trainer.parallelize import ParallelOptions, build_plan  # noqa: E402
 from fxshard.transform import transform  # noqa: E402
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, routed_experts, rowwise, sequence_parallel, vocab_parallel
-from fxshard.plan.hf_plan import KNOWN_STYLES, hf_tp_plan, param_layout, specs_from_hf, style_spec
+from fxshard.plan.importers.hf_plan import KNOWN_STYLES, hf_tp_plan, param_layout, specs_from_hf, style_spec
 from fxshard.plan.specs import for_module_type
 
 TP2 = MeshSpec(("tp",), (2,))
@@ -406,7 +406,7 @@ def test_plan_composed_from_config_and_head_plan():
 
 
 def test_core_does_not_import_transformers():
-    code = "import sys, fxshard, fxshard.plan.hf_plan; assert 'transformers' not in sys.modules, 'imported'"
+    code = "import sys, fxshard, fxshard.plan.importers.hf_plan; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""Plan.from_torch (fxshard.plan.torch_plan): every field of every torch ParallelStyle
+"""Plan.from_torch (fxshard.plan.importers.torch_plan): every field of every torch ParallelStyle
 translated or refused by name; inert subclasses read as their base, behaviour-changing
 ones refused; mixed positional and keyword input layouts; and on real gloo ranks the
 imported plan gives what parallelize_module (DTensor) gives with the same plan."""
@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 import fxshard
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, rowwise, sequence_parallel
-from fxshard.plan.torch_plan import style_to_spec
+from fxshard.plan.importers.torch_plan import style_to_spec
 
 from equivalence import Case, check_real_cases, expected_local
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxshard import MeshSpec, ModuleSpec, Plan, PlanError, colwise, expert_parallel, rowwise, sequence_parallel, vocab_parallel
-from fxshard.plan.torchtitan_plan import specs_from_torchtitan, torchtitan_sharding_configs
+from fxshard.plan.importers.torchtitan_plan import specs_from_torchtitan, torchtitan_sharding_configs
 from fxshard.testing.torchtitan_models import tiny_deepseek_v3, tiny_llama3, tiny_qwen3_moe
 
 TP2 = MeshSpec(("tp",), (2,))

@@ -129,7 +129,7 @@ def _one(rank: int, world_size: int, cfg: dict):
     import fxshard
     from fxshard.training.token_loss import token_loss_sum
     from fxshard.trainer.models import ModelSource
-    from fxshard.trainer.parallel_dims import ParallelDims
+    from fxshard.recipe.parallel_dims import ParallelDims
     from fxshard.trainer.parallelize import ParallelOptions, parallelize
 
     source = ModelSource.resolve(cfg["model"], cfg.get("overrides", {}))

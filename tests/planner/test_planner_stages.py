@@ -44,7 +44,7 @@ def test_the_planner_cuts_where_the_trainer_cuts():
     from fxshard.plan.plan import Plan
     from fxshard.planner.offline import offline_mesh
     from fxshard.trainer.models import ModelSource
-    from fxshard.trainer.parallel_dims import ParallelDims
+    from fxshard.recipe.parallel_dims import ParallelDims
     from fxshard.trainer.parallelize import ParallelOptions, build_plan
     from fxshard.transform import transform
 

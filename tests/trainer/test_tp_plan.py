@@ -1,5 +1,6 @@
 """The trainer's tensor-parallel program is Megatron's: sequence parallel between the tp
-regions and a vocabulary-parallel loss (``fxshard.trainer.parallelize.build_plan``).
+regions and a vocabulary-parallel loss (the recipe's ``fxshard.recipe.plan_for_mesh``, which
+``fxshard.trainer.parallelize`` transforms).
 
 Read off the transformed program on torch's fake process group (no ranks, seconds):
 
@@ -27,9 +28,9 @@ pytest.importorskip("transformers")
 
 from fxshard.debug.comm_summary import comm_summary  # noqa: E402
 from fxshard.planner.offline import offline_mesh  # noqa: E402
+from fxshard.recipe.parallel_dims import ParallelDims  # noqa: E402
+from fxshard.recipe.plan_for_mesh import plan_for_mesh, sharded_logits  # noqa: E402
 from fxshard.trainer.models import ModelSource  # noqa: E402
-from fxshard.trainer.parallel_dims import ParallelDims  # noqa: E402
-from fxshard.trainer.parallelize import ParallelOptions, build_plan, sharded_logits  # noqa: E402
 from fxshard.transform import transform  # noqa: E402
 
 VOCAB, SEQ, LAYERS = 128, 16, 2
@@ -41,8 +42,7 @@ def _program(family: str, tp: int = 2, model=None):
     model = model if model is not None else source.build(meta=False, vocab_size=VOCAB)
     lines: list[str] = []
     with offline_mesh({"tp": tp}) as mesh:
-        plan, _ = build_plan(model, source, ParallelDims(tp=tp, spec=f"tp={tp}"), mesh, ParallelOptions(),
-                             log=lines.append)
+        plan = plan_for_mesh(model, ParallelDims(tp=tp, spec=f"tp={tp}"), mesh, log=lines.append)
         program = transform(model, plan, example_kwargs={"input_ids": torch.zeros(2, SEQ, dtype=torch.long)})
         summary = comm_summary(program)
     return model, plan, program, summary, lines
@@ -155,11 +155,12 @@ def llama_8b_activations(config_dir, seq: int = 8192) -> dict[str, float]:
 
 
 def test_llama_8b_tp8_activations_against_dp8(tmp_path):
-    """Sequence + loss parallel divide what a tp=8 rank keeps by about 8; what is left
-    over are the two all-gathered block inputs (q|k|v, gate|up) the linears keep at full
-    sequence (docs/trainer.md: 0.232 of dp=8's; 0.470 with neither SP nor loss parallel)."""
+    """Sequence + loss parallel, and the column-parallel linears keeping their input's shard
+    (gathered again in the backward, Megatron's way), divide what a tp=8 rank keeps by more
+    than 5 (issue 42's bar: at most 0.2 of dp=8's; docs/trainer.md: 0.173; 0.232 when the
+    linears kept the gathered inputs, 0.470 with neither SP nor loss parallel)."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
     act = llama_8b_activations(tmp_path)
     ratio = act["tp=8"] / act["dp=8"]
     assert 55 * 2**30 < act["dp=8"] < 65 * 2**30, act
-    assert ratio < 0.24, (ratio, act)
+    assert ratio <= 0.2, (ratio, act)

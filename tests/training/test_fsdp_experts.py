@@ -94,7 +94,7 @@ def _read_checkpoint(path: str, config_dir: str):
     return {n: t.detach() for n, t in model.state_dict().items()}, state
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # a 4-rank torchrun run (~100 s): .ci/run's second stage
 def test_one_expert_per_rank_over_dp2_trains_as_one_process(tmp_path):
     pytest.importorskip("transformers")
     from fxshard.testing.hf_checkpoints import make_hf_checkpoint

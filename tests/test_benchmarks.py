@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
-pytestmark = pytest.mark.slow  # subprocesses with spawned ranks: ~1 minute in all
+# subprocesses with spawned ranks, several minutes on 2 cores: .ci/run's second stage, with the sweeps
+pytestmark = [pytest.mark.slow, pytest.mark.sweep]
 
 
 def _run(args: list[str], timeout: float = 120) -> str:
@@ -105,7 +106,7 @@ def test_communication(results):
 def test_transform_time(results):
     out = results / "transform_time.json"
     text = _run([str(BENCH / "transform_time.py"), "--layers", "1,2", "--repeats", "1", "--no-plot", "--hf-sizes", "8B",
-                 "--no-plain-export", "--out", str(out)])
+                 "--no-plain-export", "--out", str(out)], timeout=400)  # ~50 s alone; the cp start-up rows spawn 3 processes
     assert "growth 2/1 layers" in text
     res = _results(out)
     one, two = res["rows"]

@@ -295,6 +295,7 @@ def test_compile_custom_backend():
 
 
 @pytest.mark.slow  # ~75 s on 2 CPU cores with a cold inductor cache (C++ compilation)
+@pytest.mark.sweep  # .ci/run's second stage: the custom backend above checks the same graphs each run
 def test_compile_inductor():
     """Inductor for every case but context parallelism's, in one spawn; its generated code
     calls the collectives.  (The context-parallel cases compile under the capturing

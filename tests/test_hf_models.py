@@ -125,6 +125,7 @@ def test_hf_wrong_plan_is_a_plan_error():
         fxshard.transform(model, bad_width, example_kwargs=BATCH)
 
 
+@pytest.mark.sweep  # ~100 s of 4 real ranks on 2 cores: .ci/run's second stage (the main stage's 30 minutes)
 def test_hf_families_real_gloo():
     """One real gloo tp=2 run per family, in one spawn (spawning costs seconds)."""
     cases = [Case(functools.partial(hf_model, f), functools.partial(hf_plan, family=f), (), {"tp": 2}, kwargs=BATCH,

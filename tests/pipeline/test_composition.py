@@ -140,6 +140,7 @@ def _four_ranks(rank: int, world_size: int) -> None:
     _check_torchtitan_llama3({"pp": 2, "tp": 2})
 
 
+@pytest.mark.sweep  # ~100 s of 4 real ranks on 2 cores: .ci/run's second stage (the main stage's 30 minutes)
 def test_pp2_composed_with_ep_cp_tp_on_mixtral_llama_qwen3_torchtitan_equal_one_device():
     spawn(_four_ranks, 4)
 

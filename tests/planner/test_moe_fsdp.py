@@ -16,12 +16,9 @@ pytestmark = pytest.mark.isolated  # torch's fake process group, process-wide (p
 pytest.importorskip("transformers")
 
 from fxshard.planner import plan_parallelism  # noqa: E402
+from test_moe_planner import MIXTRAL_8X7B  # noqa: E402  (Mixtral-8x7B's config.json, one copy)
 
 GIB = 1 << 30
-MIXTRAL_8X7B = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
-                    num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
-                    rope_theta=1e6, tie_word_embeddings=False, sliding_window=None)
 FP32 = 4  # FSDP2's sharded parameters stay fp32 under bf16 mixed precision (it gathers bf16 copies)
 
 

@@ -57,19 +57,67 @@ PUBLISHED = [
 ]
 
 
-def published_rows(root: str) -> list[dict]:
-    """Each published run planned with its own mesh, AC mode and batch (H100 constants, 96 GiB, bf16)."""
+def published_rows(root: str, device: str = "h100-hbm2e", precision: str | None = None) -> list[dict]:
+    """Each published run (those in ``precision`` when given) planned with its own mesh, AC mode
+    and batch (the constants of the machine it ran on, 96 GiB, bf16), and the planner's own best
+    choice for the same GPUs and batch."""
     from fxshard.planner import plan_parallelism
 
     rows = []
-    for table_, size, world, seq, batch, mesh, ac, gib, tps, precision in PUBLISHED:
-        (e, *_) = plan_parallelism(config_dir(size, root), world, memory_gib=96, seq=seq, global_batch=batch,
-                                   device="h100", dtype="bf16", candidates=[{**mesh, "activation_checkpointing": ac}])
+    for table_, size, world, seq, batch, mesh, ac, gib, tps, published_in in PUBLISHED:
+        if precision is not None and published_in != precision:
+            continue
+        kw = dict(memory_gib=96, seq=seq, global_batch=batch, device=device, dtype="bf16")
+        (e, *_) = plan_parallelism(config_dir(size, root), world, candidates=[{**mesh, "activation_checkpointing": ac}], **kw)
+        best = plan_parallelism(config_dir(size, root), world, **kw)[0]
         predicted_gib = e.memory.get("total", 0) / 2**30
         rows.append({"run": f"{table_} Llama-3.1-{size}", "gpus": world, "seq": seq, "mesh": e.mesh_spec, "AC": ac,
-                     "precision": precision, "fits": "yes" if e.fits else f"no: {e.reason}", "pub_gib": gib,
+                     "precision": published_in, "fits": "yes" if e.fits else f"no: {e.reason}", "pub_gib": gib,
                      "pred_gib": predicted_gib, "mem_ratio": predicted_gib / gib, "pub_tps": tps,
-                     "pred_tps": e.tokens_per_s, "tps_ratio": e.tokens_per_s / tps})
+                     "pred_tps": e.tokens_per_s, "tps_ratio": e.tokens_per_s / tps,
+                     "best": f"{best.mesh_spec} {best.activation_checkpointing} accum {best.accum}" if best.fits else "-",
+                     "best_tps": best.tokens_per_s if best.fits else 0.0})
+    return rows
+
+
+# Megatron-LM's weak-scaling table (its README's images/model_table.png: GPT models, vocabulary 131,072,
+# sequence 4096, H100 SXM, data-parallel size 48): (size, heads, hidden, layers, tp, pp, GPUs, global batch,
+# TFLOP/s per GPU).  Its activation recomputation is not published: the fastest mode that fits is planned.
+MEGATRON = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+]
+
+
+def megatron_rows(root: str, device: str = "h100") -> list[dict]:
+    """Megatron's GPT runs (HF's GPT-2 architecture at their sizes: learned positions, GELU, dropout
+    0.1 as Megatron's defaults) planned with their mesh (interleaved pipeline), the fastest
+    activation checkpointing mode that fits; their tokens/s from their TFLOP/s by Megatron's
+    own count, 72 l h^2 (1 + s / 6h + V / 12lh) FLOPs a token (Narayanan et al., 2021)."""
+    from fxshard.planner import plan_parallelism
+
+    rows, seq, vocab = [], 4096, 131072
+    for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON:
+        path = os.path.join(root, f"gpt-{size}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as fh:
+            json.dump(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=vocab, n_positions=seq,
+                           n_embd=hidden, n_layer=layers, n_head=heads, tie_word_embeddings=False), fh)
+        mesh = {"tp": tp, "pp": pp, "dp": 48}
+        if pp > 1:
+            mesh.update(schedule="Interleaved1F1B", microbatches=batch // 48)
+        entries = plan_parallelism(path, gpus, memory_gib=80, seq=seq, global_batch=batch, device=device, dtype="bf16",
+                                   candidates=[{**mesh, "activation_checkpointing": m} for m in ("none", "selective", "full")])
+        e = next((e for e in entries if e.fits), entries[0])
+        per_token = 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+        tps = tflops * 1e12 / per_token
+        rows.append({"run": f"Megatron GPT {size}", "gpus": gpus, "seq": seq, "mesh": e.mesh_spec,
+                     "AC": e.activation_checkpointing, "precision": "bf16", "fits": "yes" if e.fits else f"no: {e.reason}",
+                     "pred_gib": e.memory.get("total", 0) / 2**30, "pub_tps": tps, "pred_tps": e.tokens_per_s,
+                     "tps_ratio": e.tokens_per_s / tps})
     return rows
 
 
@@ -122,6 +170,8 @@ def main() -> None:
     ap.add_argument("--device", default="h100")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--published", action="store_true", help="only the table of published runs")
+    ap.add_argument("--published-device", default="h100-hbm2e",
+                    help="the constants the published runs are planned with (default: their machine's)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/planner.json)")
     a = ap.parse_args()
     import concurrent.futures
@@ -131,15 +181,23 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results["published"] = pool.submit(published_rows, root).result()
-        print("\nPublished runs (torchtitan, H100 96 GB) planned with their own mesh, AC mode and batch "
-              "(memory: torchtitan's is the allocator's reserved peak):")
+            results["published"] = pool.submit(published_rows, root, a.published_device).result()
+            results["megatron"] = pool.submit(megatron_rows, root).result()
+        print(f"\nPublished runs (torchtitan, H100 96 GB) planned with their own mesh, AC mode and batch on "
+              f"{a.published_device!r}; then the planner's own best for the same GPUs and batch:")
         print(table(results["published"], [("run", "run", ""), ("gpus", "GPUs", "d"), ("seq", "seq", "d"),
                                            ("mesh", "mesh", ""), ("AC", "AC", ""), ("precision", "published in", ""),
                                            ("fits", "fits", ""), ("pub_gib", "published GiB", ".1f"),
                                            ("pred_gib", "predicted GiB", ".1f"), ("mem_ratio", "ratio", ".2f"),
                                            ("pub_tps", "published tokens/s/GPU", ",.0f"),
-                                           ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f")]))
+                                           ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f"),
+                                           ("best", "planner's best", ""), ("best_tps", "predicted", ",.0f")]))
+        print("\nMegatron-LM's GPT weak-scaling runs (H100 SXM, 'h100'; no memory published), their mesh, the "
+              "fastest AC mode that fits:")
+        print(table(results["megatron"], [("run", "run", ""), ("gpus", "GPUs", "d"), ("mesh", "mesh", ""),
+                                          ("AC", "AC", ""), ("fits", "fits", ""), ("pred_gib", "predicted GiB", ".1f"),
+                                          ("pub_tps", "published tokens/s/GPU", ",.0f"),
+                                          ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f")]))
         for size in ([] if a.published else a.sizes.split(",")):
             batch, compare = RUNS[size]
             world = a.world or WORLD[size]

@@ -1,6 +1,7 @@
 """Gradient accumulation with ``fxshard.no_sync``: k micro-batches, one sync per bucket, and
 a training loop (accumulation 2, clipping, AdamW, 3 steps) equal to one device on the whole
-batch, at dp x tp with fxshard summing over dp and with FSDP2 over dp, on real gloo."""
+batch, at dp x tp with fxshard summing over dp and with FSDP2 over dp (its gradients held
+unsharded between passes, or reduce-scattered every pass and accumulated sharded), on real gloo."""
 import contextlib
 import copy
 
@@ -72,9 +73,10 @@ def _token_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def _accumulated(sharded, scale: float, dp_group: str, in_graph_loss: bool):
+def _accumulated(sharded, scale: float, dp_group: str, in_graph_loss: bool, sharded_grads: bool = False):
     """The same loop on this rank's rows, ``ACCUM`` micro-batches per step; returns the
-    logged losses and, per micro-batch, how many all-reduces ran on the dp group."""
+    logged losses and, per micro-batch, how many all-reduces ran on the dp group (with
+    ``sharded_grads``, FSDP2's: each parameter holds its sharded gradient after the first pass)."""
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     losses, dp_reduces = [], []
     for step in range(STEPS):
@@ -89,11 +91,14 @@ def _accumulated(sharded, scale: float, dp_group: str, in_graph_loss: bool):
         total = 0.0
         for k, (i, l) in enumerate(micro):
             last = k == ACCUM - 1
-            with contextlib.nullcontext() if last else fxshard.no_sync(sharded), _AllReduces() as seen:
+            held = fxshard.no_sync(sharded, sharded_grads=sharded_grads)
+            with contextlib.nullcontext() if last else held, _AllReduces() as seen:
                 loss = (sharded(input_ids=i, labels=l).loss if in_graph_loss
                         else _token_loss(sharded(input_ids=i).logits, l)) / ACCUM
                 (loss * scale).backward()
             dp_reduces.append(seen.groups.count(dp_group))
+            if k == 0 and in_graph_loss:  # FSDP2: reduce-scattered into the sharded .grad, or held unsharded
+                assert all((p.grad is not None) == sharded_grads for p in sharded.parameters()), sharded_grads
             total = total + loss.detach()
         fxshard.clip_grad_norm_(sharded, MAX_NORM)
         opt.step()
@@ -130,6 +135,14 @@ def _check(rank: int, world_size: int) -> None:
     full = fxshard.full_state_dict(sharded)
     for name, t in want_state.items():
         torch.testing.assert_close(full[name], t, **PARAM_TOL, msg=lambda m: f"FSDP2: {name}: {m}")
+
+    # FSDP2 reduce-scattering every pass, its gradients accumulating sharded (torchtitan's)
+    sharded = fxshard.fully_shard(fxshard.transform(model, plan, example_kwargs=example), mesh)
+    losses, _ = _accumulated(sharded, 1.0, dp_group, in_graph_loss=True, sharded_grads=True)
+    torch.testing.assert_close(losses, want_losses, **TOL)
+    full = fxshard.full_state_dict(sharded)
+    for name, t in want_state.items():
+        torch.testing.assert_close(full[name], t, **PARAM_TOL, msg=lambda m: f"FSDP2 sharded grads: {name}: {m}")
 
 
 def runtime_held() -> int:

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                         "deprecated spelling)")
     p.add_argument("--accum", type=int, default=None,
                    help="gradient-accumulation passes per step for every candidate (default: the fewest that fit)")
+    p.add_argument("--accum-grads", choices=("unsharded", "sharded"), default=None,
+                   help="where FSDP2's gradients wait between accumulation passes, for every candidate (default: "
+                        "unsharded, or sharded where that does not fit)")
     p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="the text files the best: line trains on")
     p.add_argument("--device", default=None, help="h100, h200, a100, cpu, or a --calibrate JSON (default: this machine)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPUs, fp32 on a CPU")
@@ -59,7 +62,8 @@ def add_parser(sub) -> None:
 def parse_candidates(text: str) -> list[dict]:
     """``"tp=2;pp=2,tp=2,m=4,ac"`` -> ``[{"tp": 2}, {"pp": 2, "tp": 2, "microbatches": 4, "activation_checkpointing": "full"}]``
     (``ac``: full activation checkpointing; ``ac=selective``, ``ac=none``, ``ac=selective:2``: that mode)
-    (``accum=N``: that many accumulation passes)."""
+    (``accum=N``: that many accumulation passes; ``grads=sharded``: FSDP2's gradients reduce-scattered
+    every pass, ``--accum-grads``)."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
         spec: dict = {}
@@ -71,8 +75,11 @@ def parse_candidates(text: str) -> list[dict]:
                 spec["microbatches" if key == "m" else key] = int(value)
             elif key == "schedule" and value:
                 spec["schedule"] = value
+            elif key == "grads" and value in ("unsharded", "sharded"):
+                spec["accum_grads"] = value
             else:
-                raise ValueError(f"--candidates {text!r}: {part!r} is not AXIS=N, m=N, accum=N, schedule=NAME, ac or ac=MODE")
+                raise ValueError(f"--candidates {text!r}: {part!r} is not AXIS=N, m=N, accum=N, grads=sharded|unsharded, "
+                                 f"schedule=NAME, ac or ac=MODE")
         out.append(spec)
     return out
 
@@ -95,7 +102,8 @@ def run_plan(args) -> int:
         candidates = parse_candidates(args.candidates) if args.candidates else None
         entries = plan_parallelism(args.model, args.world, memory_gib=args.memory_gib, seq=args.seq,
                                    global_batch=args.batch, device=cal if args.device else None, candidates=candidates,
-                                   dtype=args.dtype, gpus_per_node=args.gpus_per_node, accum=args.accum)
+                                   dtype=args.dtype, gpus_per_node=args.gpus_per_node, accum=args.accum,
+                                   accum_grads=args.accum_grads)
     except (PlanError, ValueError) as e:
         if rank0:
             print(f"fxshard plan: error: {e}", file=sys.stderr, flush=True)

@@ -70,14 +70,16 @@ class PlanEntry:
         return self.candidate.dims
 
     def trainer_flags(self) -> str:
-        """``--mesh ... [--accum A] [--microbatches M --schedule S] [--activation-checkpointing MODE]``."""
+        """``--mesh ... [--accum A [--accum-grads sharded]] [--microbatches M --schedule S]
+        [--activation-checkpointing MODE]``."""
         return self.candidate.trainer_flags()
 
 
 def plan_parallelism(model, world_size: int, *, memory_gib: float | None, example_kwargs: dict | None = None,
                      global_batch: int | None = None, seq: int | None = None, device=None,
                      candidates: list[dict] | None = None, dtype: str | None = None,
-                     gpus_per_node: int | None = None, accum: int | None = None) -> list[PlanEntry]:
+                     gpus_per_node: int | None = None, accum: int | None = None,
+                     accum_grads: str | None = None) -> list[PlanEntry]:
     """Every candidate mesh of ``world_size`` ranks for training ``model``, best first: those
     that fit ``memory_gib`` per rank by predicted step time, then the rejected with their reason.
 
@@ -102,7 +104,9 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     predicted in each activation checkpointing mode (``none``, ``selective``, ``full``).
 
     Each candidate runs in the fewest gradient-accumulation passes that fit, unless it names
-    its own or ``accum`` fixes them for all (the trainer's ``--accum``).  A bug met while planning one sub-plan (a tp/cp/ep program) is an
+    its own or ``accum`` fixes them for all (the trainer's ``--accum``); between them FSDP2's
+    gradients wait unsharded, or sharded where that does not fit, unless a candidate names its
+    ``accum_grads`` or ``accum_grads`` fixes it for all (``--accum-grads``).  A bug met while planning one sub-plan (a tp/cp/ep program) is an
     :class:`~fxshard.errors.InternalError` naming it, on that sub-plan's entries (``error``,
     and a ``reason`` starting ``internal error``); the other sub-plans are planned.
     """
@@ -122,13 +126,18 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     if candidates is not None:
         cands = [candidate_from(c, world_size) for c in candidates]
         fixed_accum = ["accum" in spec for spec in candidates]  # by position: {"dp": 2} and {"dp": 2, "accum": 1} differ
+        fixed_grads = ["accum_grads" in spec for spec in candidates]
     else:
         cands = enumerate_candidates(world_size, seq=seq, global_batch=global_batch, n_blocks=n_blocks,
                                      heads=planned.heads, experts=planned.experts, gpus_per_node=node)
         fixed_accum = [False] * len(cands)
+        fixed_grads = [False] * len(cands)
     if accum is not None:
         cands = [c.with_accum(int(accum)) for c in cands]
         fixed_accum = [True] * len(cands)
+    if accum_grads is not None:
+        cands = [c.with_accum(c.accum, accum_grads) for c in cands]
+        fixed_grads = [True] * len(cands)
     reasons = {c.key: divisibility(c, world_size, seq=seq, global_batch=global_batch, n_blocks=n_blocks,
                                    heads=planned.heads, experts=planned.experts) for c in cands}
     subplans = list(dict.fromkeys(c.subplan for c in cands if reasons[c.key] is None))
@@ -140,7 +149,7 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
         except Exception as e:  # noqa: BLE001 - not a refusal (PlanError): a bug, reported on its sub-plan
             facts[sp] = subplan_internal_error(sp, e)
     entries = []
-    for c, fixed in zip(cands, fixed_accum):
+    for c, fixed, grads_fixed in zip(cands, fixed_accum, fixed_grads):
         entry = PlanEntry(dict(c.mesh), c.microbatches, c.schedule, c.activation_checkpointing, virtual=c.virtual,
                           candidate=c, reason=reasons[c.key], accum=c.accum)
         entries.append(entry)
@@ -162,8 +171,8 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
             continue
         choices = [c.accum] if fixed else accum_choices(c, global_batch)
         try:
-            chosen, est = _fewest_passes(c, choices, facts[sp], memory_gib * GIB, global_batch=global_batch, seq=seq,
-                                         cal=cal, bf16=bf16)
+            chosen, est = _fewest_passes(c, choices, facts[sp], memory_gib * GIB, grads_fixed, global_batch=global_batch,
+                                         seq=seq, cal=cal, bf16=bf16)
         except Exception as e:  # noqa: BLE001 - the arithmetic's bug: this sub-plan's entries only
             _internal(entry, subplan_internal_error(sp, e))
             continue
@@ -178,12 +187,28 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     return entries
 
 
-def _fewest_passes(c: Candidate, choices: list[int], facts: ProgramFacts, budget: float, **kw):
+def _fewest_passes(c: Candidate, choices: list[int], facts: ProgramFacts, budget: float, grads_fixed: bool = False,
+                   **kw):
     """The candidate in the fewest accumulation passes of ``choices`` (ascending) whose memory
     fits ``budget`` bytes, and its estimate; none fitting: the most passes (the least memory).
     Each pass adds its own costs (FSDP2's gathers, the kernels' fixed cost, a pipeline's fill),
     so the fewest passes that fit is the fastest.  From 2 passes on the memory only falls with
-    more (the activations shrink, FSDP2's accumulated gradients stay), so a bisection finds them."""
+    more (the activations shrink, FSDP2's accumulated gradients stay), so a bisection finds them.
+    Under FSDP2 (unless ``grads_fixed``) both places its gradients may wait between the passes
+    are tried, unsharded and sharded (a reduce-scatter every pass: fewer passes may fit), and
+    the faster that fits is taken (the one with less memory when neither does)."""
+    tries = [_fewest_passes_of(c, choices, facts, budget, **kw)]
+    sharded = c.with_accum(choices[-1], "sharded")
+    if not grads_fixed and c.accum_grads != "sharded" and sharded.sharded_grads:
+        tries.append(_fewest_passes_of(c.with_accum(c.accum, "sharded"), choices, facts, budget, **kw))
+    fitting = [t for t in tries if t[1].memory["total"] <= budget]
+    if fitting:
+        return min(fitting, key=lambda t: t[1].step_time_s)
+    return min(tries, key=lambda t: t[1].memory["total"])
+
+
+def _fewest_passes_of(c: Candidate, choices: list[int], facts: ProgramFacts, budget: float, **kw):
+    """:func:`_fewest_passes` with ``c``'s own ``accum_grads``: the bisection."""
     def at(i: int):
         cand = c.with_accum(choices[i])
         return cand, estimate(cand, facts, **kw)
@@ -251,8 +276,7 @@ def format_table(entries: list[PlanEntry], top: int = 12, rejected: int = 8) -> 
     (``accum``: gradient-accumulation passes per step; ``M``: the pipeline's micro-batches)."""
     fits = [e for e in entries if e.fits][:top]
     bad = [e for e in entries if not e.fits][:rejected]
-    head = ["#", "mesh", "accum", "M", "schedule", "AC", "params", "grads", "optimizer", "activations", "transient", "total",
-            "comm per step", "step s", "tokens/s/rank"]
+    head = ["#", "mesh", "accum", "M", "schedule", "AC", *MEMORY_KEYS, "comm per step", "step s", "tokens/s/rank"]
     rows = []
     for i, e in enumerate(fits + bad):
         mem = [fmt_bytes(e.memory.get(k, 0)) for k in MEMORY_KEYS] if e.memory else [""] * len(MEMORY_KEYS)

@@ -10,13 +10,17 @@ bus bandwidth and the latency of one collective call.  Each says where its numbe
   GPU), times the efficiency a well-tuned run reaches (matmul 0.7, memory 0.8, links 0.8:
   the usual fractions of nccl-tests' bus bandwidth and of cuBLAS on large GEMMs), and a ring
   step of 1.5 us within a node and 5 us between nodes (nccl-tests' small-message times);
+  attention at FlashAttention-2's measured rate (its paper: 335 TFLOP/s forward and backward
+  on an H100, 225 on an A100), which long sequences spend most of their time in;
+  ``h100-hbm2e``: the 96 GB, 500 W H100s of torchtitan's published Llama 3.1 runs;
   ``cpu``: one process of this project's 2-core machine, measured once, gloo over loopback.
 - **Measured** (:func:`calibrate`, ``python -m fxshard plan --calibrate out.json``): a few
   matmuls, a copy (256 MiB on a GPU; 2 MiB, cache-sized as small activations are, on a CPU),
   a stream of tiny kernels on this device, and, where a process group
   exists (under ``torchrun``), all-reduces of 4 KiB (latency) and 64 MiB (bandwidth; 16 MiB
   on a CPU) over the world; those go to the link class the world spans.  The cost per kernel
-  is that of a small op's forward and backward through autograd, over three.
+  is that of a small op's forward and backward through autograd, over three; attention is a
+  causal ``scaled_dot_product_attention`` forward and backward.
 
 Example::
 
@@ -61,10 +65,20 @@ class Calibration:
     overlap: float = 1.0
     # the cores a node's ranks share (a CPU); None: a device per rank.  The throughputs are one rank's alone
     cores: int | None = None
+    # achieved attention throughput (flash attention's fused kernels run well below the matmul rate), counted as the
+    # planner counts it: the forward's FLOPs (4 s^2 d per head, halved when causal) times 3 over the time of a
+    # forward and backward; None: the matmul rate
+    attention_tflops: float | None = None
+
+    @property
+    def attention_rate(self) -> float:
+        """Attention FLOP/s as the time model counts them (the matmul rate where none is given)."""
+        return (self.attention_tflops or self.matmul_tflops) * 1e12
 
     @classmethod
     def named(cls, name: str) -> "Calibration":
-        """A shipped preset (``h100``, ``h200``, ``a100``, ``cpu``) or a JSON file written by
+        """A shipped preset (``h100``, ``h200``, ``a100``, ``h100-hbm2e``: the H100s of torchtitan's
+        published runs, ``cpu``) or a JSON file written by
         :meth:`save` / ``--calibrate``."""
         key = name.lower().replace("-", "").replace(" ", "")
         if key in PRESETS:
@@ -90,23 +104,34 @@ class Calibration:
 
     def describe(self) -> str:
         links = ", ".join(f"{k} {v.gbps:g} GB/s + {v.latency_us:g} us" for k, v in self.links.items())
-        return (f"{self.name}: matmul {self.matmul_tflops:g} TFLOP/s ({self.dtype}), memory {self.memory_gbps:g} GB/s, "
+        attention = f", attention {self.attention_tflops:g} TFLOP/s" if self.attention_tflops else ""
+        return (f"{self.name}: matmul {self.matmul_tflops:g} TFLOP/s ({self.dtype}){attention}, memory {self.memory_gbps:g} GB/s, "
                 f"{self.kernel_us:g} us per kernel, links {links}, FSDP2 overlap {self.overlap:g}; {self.source}")
 
 
-def _gpu(name, tflops, hbm_tbps, nvlink_gbps, nic_gbps, memory_gib) -> Calibration:
+def _gpu(name, tflops, hbm_tbps, nvlink_gbps, nic_gbps, memory_gib, attention_tflops, note="") -> Calibration:
+    """``attention_tflops``: FlashAttention-2's forward and backward at head dim 128 (its paper's
+    measurement, FLOPs counted as the kernel's: the backward 2.5 forwards), recounted as the
+    planner counts (the backward 2 forwards: times 3 / 3.5)."""
     return Calibration(name, matmul_tflops=0.7 * tflops, memory_gbps=0.8 * hbm_tbps * 1000, kernel_us=6.0,
                        links={"intra": Link(0.8 * nvlink_gbps, 1.5), "inter": Link(0.8 * nic_gbps, 5.0)},
                        gpus_per_node=8, memory_gib=memory_gib, dtype="bf16",
+                       attention_tflops=round(attention_tflops * 3 / 3.5, 1),
                        source=f"data sheet x efficiency (matmul 0.7 of {tflops:g} TFLOP/s dense bf16, memory 0.8 of "
                               f"{hbm_tbps:g} TB/s, links 0.8 of NVLink {nvlink_gbps:g} GB/s per direction and "
-                              f"{nic_gbps:g} GB/s per GPU between nodes)")
+                              f"{nic_gbps:g} GB/s per GPU between nodes; attention: FlashAttention-2's "
+                              f"{attention_tflops:.0f} TFLOP/s forward and backward){note}")
 
 
 PRESETS: dict[str, Calibration] = {
-    "h100": _gpu("H100 SXM", 989.0, 3.35, 450.0, 50.0, 80.0),
-    "h200": _gpu("H200 SXM", 989.0, 4.8, 450.0, 50.0, 141.0),
-    "a100": _gpu("A100 SXM 80GB", 312.0, 2.04, 300.0, 25.0, 80.0),
+    "h100": _gpu("H100 SXM", 989.0, 3.35, 450.0, 50.0, 80.0, 335.0),
+    "h200": _gpu("H200 SXM", 989.0, 4.8, 450.0, 50.0, 141.0, 335.0),
+    "a100": _gpu("A100 SXM 80GB", 312.0, 2.04, 300.0, 25.0, 80.0, 225.0),
+    # the machine of torchtitan's published Llama 3.1 runs (its benchmarks/llama3_h100_202412_torchtitan.md: Grand
+    # Teton, 96 GB of HBM2e at 2.4 TB/s, 500 W; "the actual peak TFLOPs number is between SXM and NVL": halfway
+    # between the SXM's 989 and the NVL's 835), its attention scaled by the same
+    "h100hbm2e": _gpu("H100 96GB HBM2e 500W", 912.0, 2.4, 450.0, 50.0, 96.0, 335.0 * 912 / 989,
+                      note="; torchtitan's Grand Teton H100s: peak halfway between SXM and NVL, as its benchmark says"),
     # one process alone on this project's 2-core machine (python -m fxshard plan --calibrate), gloo on loopback
     "cpu": Calibration("cpu", matmul_tflops=0.05, memory_gbps=5.0, kernel_us=8.0,
                        links={"intra": Link(1.0, 500.0), "inter": Link(1.0, 500.0)}, gpus_per_node=1 << 20,
@@ -215,8 +240,16 @@ def _device_constants(dev: torch.device, repeats: int) -> dict:
         x.sum().backward()
 
     kernel = _best(chain, dev, repeats) / 300
+    # causal attention forward and backward at head dim 128, counted as the time model counts: 3 forwards' FLOPs
+    b, h, s, d = (4, 16, 4096, 128) if on_gpu else (1, 4, 512, 64)
+    q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def attention():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    attn = _best(attention, dev, repeats)
     return {"matmul_tflops": round(2 * n ** 3 / matmul / 1e12, 4), "memory_gbps": round(2 * big.numel() / copy / 1e9, 2),
-            "kernel_us": round(kernel * 1e6, 2)}
+            "kernel_us": round(kernel * 1e6, 2), "attention_tflops": round(3 * 2 * b * h * s * s * d / attn / 1e12, 4)}
 
 
 def _best(fn, dev: torch.device, repeats: int) -> float:

@@ -21,7 +21,11 @@ rules; the node and long-sequence limits are the planner's own choices):
   its global batch): each dp rank's rows run in ``accum`` passes of ``rows / accum`` rows (each
   pass the pipeline's ``M`` micro-batches under pp), one optimizer step after the last.  It is
   not enumerated: ``plan_parallelism`` takes, for each candidate, the fewest passes that fit
-  (:func:`accum_choices` lists them: more passes only add per-pass costs).
+  (:func:`accum_choices` lists them: more passes only add per-pass costs);
+- ``accum_grads``: under FSDP2 with accumulation, where the gradients wait between the passes
+  (the trainer's ``--accum-grads``): ``unsharded`` (FSDP2 holds them whole, in fp32, and
+  reduce-scatters once a step) or ``sharded`` (a reduce-scatter every pass, torchtitan's: 1/dp
+  of the memory); ``plan_parallelism`` takes ``sharded`` where ``unsharded`` does not fit.
 
 Each candidate is tried with each activation checkpointing mode of the trainer: ``none``,
 ``selective`` (per op) and ``full``.  A candidate the user
@@ -36,11 +40,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fxshard.errors import PlanError
 from fxshard.planner.facts import SubPlan
 from fxshard.recipe.parallel_dims import AXES, MeshError, ParallelDims
 from fxshard.training.checkpointing import parse_checkpointing
 
 SEARCHED_AXES = tuple(a for a in AXES if a != "dp_replicate")  # in the mesh's order; HSDP is not searched
+ACCUM_GRADS = ("unsharded", "sharded")  # the trainer's --accum-grads
 
 
 @dataclass(frozen=True)
@@ -61,26 +67,36 @@ class Candidate:
     activation_checkpointing: str = "none"  # none, selective, full, selective:K (the trainer's flag)
     key: tuple = ()
     accum: int = 1
+    accum_grads: str = "unsharded"  # under FSDP2 with accum > 1: unsharded (held) or sharded (reduce-scattered)
 
     @classmethod
     def make(cls, mesh: dict | ParallelDims, microbatches: int = 1, schedule: str | None = None, virtual: int = 1,
-             activation_checkpointing: str | bool = "none", accum: int = 1) -> "Candidate":
+             activation_checkpointing: str | bool = "none", accum: int = 1,
+             accum_grads: str = "unsharded") -> "Candidate":
         """``mesh``: a ParallelDims, or a dict of degrees (``{"dp": 2, "tp": 2}``; absent axes 1)."""
         dims = mesh if isinstance(mesh, ParallelDims) else ParallelDims(**{a: int(mesh.get(a, 1)) for a in SEARCHED_AXES})
         activation_checkpointing = checkpointing_name(activation_checkpointing)
+        if accum_grads not in ACCUM_GRADS:
+            raise PlanError(f"candidate accum_grads={accum_grads!r}: not a choice of the trainer's --accum-grads\n"
+                            f"  fix: one of {', '.join(ACCUM_GRADS)}")
         degrees = tuple(getattr(dims, a) for a in SEARCHED_AXES)
-        key = (degrees, microbatches, schedule, virtual, activation_checkpointing, accum)
-        return cls(dims, microbatches, schedule, virtual, activation_checkpointing, key, accum)
+        key = (degrees, microbatches, schedule, virtual, activation_checkpointing, accum, accum_grads)
+        return cls(dims, microbatches, schedule, virtual, activation_checkpointing, key, accum, accum_grads)
 
     @property
     def mesh(self) -> dict[str, int]:
         """The degree of every searched axis, in the mesh's order (``{"pp": 1, "dp": 2, ...}``)."""
         return {a: getattr(self.dims, a) for a in SEARCHED_AXES}
 
-    def with_accum(self, accum: int) -> "Candidate":
-        """The same configuration in ``accum`` passes per step."""
+    def with_accum(self, accum: int, accum_grads: str | None = None) -> "Candidate":
+        """The same configuration in ``accum`` passes per step (and ``accum_grads`` when given)."""
         return Candidate.make(self.dims, self.microbatches, self.schedule, self.virtual, self.activation_checkpointing,
-                              accum)
+                              accum, accum_grads or self.accum_grads)
+
+    @property
+    def sharded_grads(self) -> bool:
+        """FSDP2 reduce-scatters every pass (``accum_grads="sharded"`` where it changes anything)."""
+        return self.accum_grads == "sharded" and self.accum > 1 and self.dims.fsdp_shard_ranks > 1
 
     def micro_rows(self, global_batch: int) -> float:
         """The rows one rank runs at once: a dp rank's rows over the passes and the pipeline's micro-batches."""
@@ -105,6 +121,8 @@ class Candidate:
         flags = [f"--mesh {self.mesh_spec}"] if self.mesh_spec else []
         if self.accum > 1:
             flags.append(f"--accum {self.accum}")
+        if self.sharded_grads:
+            flags.append("--accum-grads sharded")
         if self.mesh["pp"] > 1:
             flags += [f"--microbatches {self.microbatches}", f"--schedule {self.schedule}"]
             if self.virtual > 1:
@@ -170,7 +188,8 @@ def accum_choices(c: Candidate, global_batch: int) -> list[int]:
 def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candidate:
     """A user's candidate: ``{"tp": 2}`` (dp takes the remaining ranks), optionally with
     ``microbatches``, ``schedule``, ``virtual``, ``activation_checkpointing``, ``accum``
-    (absent: the planner takes the fewest passes that fit; see :func:`accum_choices`)."""
+    (absent: the planner takes the fewest passes that fit; see :func:`accum_choices`),
+    ``accum_grads`` (absent: ``sharded`` only where ``unsharded`` does not fit)."""
     mesh = {a: int(spec[a]) for a in SEARCHED_AXES if a in spec}
     if "dp" not in mesh:
         rest = 1
@@ -182,7 +201,7 @@ def candidate_from(spec: dict, world: int, default_microbatches=None) -> Candida
     virtual = int(spec.get("virtual", 2 if schedule and schedule.startswith("Interleaved") else 1))
     microbatches = int(spec.get("microbatches", default_microbatches or (2 * pp if pp > 1 else 1)))
     return Candidate.make(mesh, microbatches if pp > 1 else 1, schedule, virtual, spec.get("activation_checkpointing", "none"),
-                          int(spec.get("accum", 1)))
+                          int(spec.get("accum", 1)), spec.get("accum_grads", "unsharded"))
 
 
 def checkpointing_name(value: str | bool | None) -> str:

@@ -9,7 +9,8 @@ Per pipeline rank (all ranks are alike without pp):
   under pp) the way the trainer's FSDP2 cuts them (``fsdp_shard_numel``: dim 0, or the first dim those
   ranks divide, such as an ep rank's stacked experts' dim 1; padded where none divides); gradients as many bytes (fp32), and under
   gradient accumulation (``accum > 1``) with FSDP2 the unsharded fp32 gradients it accumulates
-  between the passes (the trainer's ``no_sync``: ``set_requires_gradient_sync(False)``); AdamW
+  between the passes (the trainer's ``no_sync``: ``set_requires_gradient_sync(False)``; none with
+  ``--accum-grads sharded``, which reduce-scatters every pass); AdamW
   two states of the same size.  Activations: what each block keeps for the backward at this
   micro-batch's rows, times the micro-batches in flight (1F1B: ``pp - rank``; GPipe: all;
   interleaved: torch's warm-up); with full activation checkpointing each block keeps its
@@ -52,7 +53,7 @@ from fxshard.planner.offline import AFTER, BEFORE
 from fxshard.recipe.parallel_dims import AXES as TRAINER_ORDER  # the mesh's dim order
 from fxshard.training.fsdp import fsdp_shard_numel
 
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "total")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "loss", "total")
 
 
 @dataclass
@@ -109,9 +110,14 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         act = sum(_stage_activations(facts, stage_blocks, s, num_stages, rows, ac_mode, ckpt) for s in stages)
         act *= _in_flight(c, r) / len(stages)
         # accumulating, FSDP2 keeps each block's unsharded gradient (fp32, its reduce dtype) until the last pass
-        accumulated = sum(u.param_bytes for u in units) if A > 1 and fsdp > 1 else 0.0
+        # (with --accum-grads sharded it reduce-scatters every pass instead: its sharded gradients accumulate)
+        accumulated = sum(u.param_bytes for u in units) if A > 1 and fsdp > 1 and not c.sharded_grads else 0.0
+        # the step's peak on the last stage: the loss's backward starts with every kept tensor alive; no block
+        # is being recomputed then, so only what its gradients exceed a recomputation's working set by is added
+        loss_working = facts.after.backward_working.at(rows) if last else 0.0
         memory = {"params": params, "grads": params + accumulated, "optimizer": 2 * params, "activations": act,
-                  "transient": _fsdp_transient(facts, blocks, first, last, fsdp, bf16)}
+                  "transient": _fsdp_transient(facts, blocks, first, last, fsdp, bf16),
+                  "loss": max(0.0, loss_working - _recompute_working(facts, blocks, rows, ac_mode, ckpt))}
         memory["total"] = sum(memory.values())
         comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal, pipelined=pp > 1, recompute=len(ckpt) / len(blocks) if blocks else 0.0, mode=ac_mode)
         p2p, p2p_s = _p2p(facts, stage_blocks, stages, spec, c, r, rows, act_scale, m, cal)
@@ -119,7 +125,8 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
             comm[a] = comm.get(a, 0.0) + b
         comm = {a: b * A for a, b in comm.items()}  # each pass runs the program's collectives and the pipeline's sends
         fsdp_axis = "dp" if dp > 1 else "cp"  # the outer of FSDP2's axes: its link spans both
-        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, M, pp, bf16, m, cal, accum=A, axis=fsdp_axis)
+        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, M, pp, bf16, m, cal, accum=A, axis=fsdp_axis,
+                                                        reduce_every_pass=c.sharded_grads)
         if fsdp_bytes:
             comm[fsdp_axis] = comm.get(fsdp_axis, 0.0) + fsdp_bytes
         fwd = sum(_forward_seconds(u, rows, cal) for u in units)
@@ -228,29 +235,34 @@ def _stage_activations(facts: ProgramFacts, stage_blocks, s: int, num_stages: in
     if mode == "none" or not ckpt:
         mode = "none"
     elif mode == "selective" or len(ckpt) < len(blocks):  # block by block: its own kept bytes
-        kept, working = 0.0, 0.0
+        kept = 0.0
         for i in blocks:
             u = facts.block(i)
             if i not in ckpt:
                 kept += u.saved.at(rows)
             elif mode == "selective":  # its output (the next one's input) and its saved ops' outputs
                 kept += _grad_inputs(u, rows) + u.selective_saved.at(rows)
-                working = max(working, u.saved.at(rows) - u.selective_saved.at(rows))
             else:
                 kept += _grad_inputs(u, rows)
-                working = max(working, u.saved.at(rows))
         if not last_stage:
             kept -= _grad_inputs(facts.block(blocks[-1]), rows)  # its output is sent, not kept
-        return edge + kept + working
+        return edge + kept + _recompute_working(facts, blocks, rows, mode, ckpt)
     if mode == "full":  # each block keeps its inputs; one block's recompute is alive at a time
         kept = sum(_grad_inputs(facts.block(i), rows) for i in blocks[1:])
         if last_stage:
             kept += _grad_inputs(facts.block(blocks[-1]), rows)  # the last output, kept by the final norm
-        return edge + kept + max(facts.block(i).saved.at(rows) for i in blocks)
+        return edge + kept + _recompute_working(facts, blocks, rows, mode, ckpt)
     kept = sum(facts.block(i).saved.at(rows) for i in blocks)
     if not last_stage:
         kept -= _grad_inputs(facts.block(blocks[-1]), rows)  # its output is sent, not kept
     return edge + kept
+
+
+def _recompute_working(facts: ProgramFacts, blocks: list[int], rows: float, mode: str, ckpt: set[int]) -> float:
+    """The largest recomputation among ``blocks`` alive at once: a checkpointed block's kept
+    tensors, less its saved ops' outputs under selective (they are kept, not recomputed)."""
+    return max((facts.block(i).saved.at(rows) - (facts.block(i).selective_saved.at(rows) if mode == "selective" else 0.0)
+                for i in set(blocks) & ckpt if mode != "none"), default=0.0)
 
 
 def _grad_inputs(u: UnitFacts, rows: float) -> float:
@@ -337,10 +349,11 @@ def _p2p(facts, stage_blocks, stages, spec, c: Candidate, r: int, rows: float, a
 
 
 def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Calibration, accum: int = 1,
-               axis: str = "dp"):
+               axis: str = "dp", reduce_every_pass: bool = False):
     """FSDP2's bytes per step on this rank, the seconds they take, and the seconds of the first
     all-gather (nothing to overlap it with).  Each of ``accum`` passes gathers again; the
-    reduce-scatter runs once, after the last (the passes before it under ``no_sync``)."""
+    reduce-scatter runs once, after the last (the passes before it under ``no_sync``), or
+    every pass (``reduce_every_pass``: ``--accum-grads sharded``)."""
     if dp == 1:
         return 0.0, 0.0, 0.0
     link = _link(axis, mesh, cal)
@@ -354,9 +367,10 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
         # gathered until the last micro-batch's); the root (before, after) once: it is not resharded in between
         gathers = (1 if u.name in (BEFORE, AFTER) else M + 1) * accum
         g = padded * gather_size
-        total += gathers * g + padded
+        reduces = accum if reduce_every_pass else 1
+        total += gathers * g + reduces * padded
         t = _collective_seconds("all_gather", g, dp, link)
-        seconds += gathers * t + _collective_seconds("reduce_scatter", padded, dp, link)
+        seconds += gathers * t + reduces * _collective_seconds("reduce_scatter", padded, dp, link)
         first = max(first, t)
     return total, seconds, first
 
@@ -364,18 +378,25 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
 def _recompute_seconds(u: UnitFacts, rows: float, cal: Calibration, mode: str) -> float:
     """A checkpointed block's recomputation in the backward: its forward (``full``), or the
     ops selective checkpointing does not save (``selective``: norms, activations, rotary, every
-    other ``mm``)."""
+    other ``mm``; attention's outputs are saved, so none of its FLOPs is recomputed)."""
     full = _forward_seconds(u, rows, cal)
     if mode != "selective":
         return full
-    skipped = (u.selective_skip_flops.at(rows) / (cal.matmul_tflops * 1e12)
+    attention = u.attention_flops.at(rows)
+    skipped = (_flop_seconds(u.selective_skip_flops.at(rows) - attention, attention, cal)
                + u.selective_skip_bytes.at(rows) / (cal.memory_gbps * 1e9) + u.selective_skip_kernels.at(rows) * cal.kernel_us * 1e-6)
     return max(0.0, full - skipped)
 
 
 def _forward_seconds(u: UnitFacts, rows: float, cal: Calibration) -> float:
-    return (u.matmul_flops.at(rows) / (cal.matmul_tflops * 1e12) + u.other_bytes.at(rows) / (cal.memory_gbps * 1e9)
+    attention = u.attention_flops.at(rows)
+    return (_flop_seconds(u.matmul_flops.at(rows) - attention, attention, cal) + u.other_bytes.at(rows) / (cal.memory_gbps * 1e9)
             + u.kernels.at(rows) * cal.kernel_us * 1e-6)
+
+
+def _flop_seconds(matmul: float, attention: float, cal: Calibration) -> float:
+    """Matmuls at the matmul rate, attention at its kernels' own (flash attention's)."""
+    return matmul / (cal.matmul_tflops * 1e12) + attention / cal.attention_rate
 
 
 __all__ = ["estimate", "Estimate", "RankEstimate", "MEMORY_KEYS"]

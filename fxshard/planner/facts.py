@@ -16,7 +16,9 @@ captured block, "<after>" the last with the loss):
   checkpointing keeps and skips (``selective_*``) and the tensors a block takes from
   outside (what a pipeline cut in front of it sends): from two forward runs on the meta device
   at ``ROWS`` and ``2 ROWS`` rows, so that each is an :class:`Affine` function of the rows of
-  a micro-batch (rotary tables do not grow with the batch, hidden states do).
+  a micro-batch (rotary tables do not grow with the batch, hidden states do); for the part
+  after the blocks also ``backward_working``, the peak of its own backward (the loss's
+  gradients of the logits), from a backward run of that part alone.
 
 Example::
 
@@ -129,6 +131,7 @@ class UnitFacts:
     saved: Affine = Affine()
     shared: Affine = Affine()  # <before> only: what it makes that blocks keep (a later stage receives and keeps it)
     matmul_flops: Affine = Affine()
+    attention_flops: Affine = Affine()  # of matmul_flops: attention's
     other_bytes: Affine = Affine()
     kernels: Affine = Affine()
     comm: list[CommFact] = field(default_factory=list)
@@ -139,6 +142,7 @@ class UnitFacts:
     selective_skip_flops: Affine = Affine()
     selective_skip_bytes: Affine = Affine()
     selective_skip_kernels: Affine = Affine()
+    backward_working: Affine = Affine()  # <after> only: the peak bytes its own backward makes (the logits' gradients)
 
     @property
     def param_bytes(self) -> int:
@@ -341,9 +345,11 @@ def _fill_counts(units: dict[str, UnitFacts], runs: list[ForwardCounts]) -> None
         u.saved = Affine.fit(a.saved, b.saved)
         u.shared = Affine.fit(a.shared, b.shared)
         u.matmul_flops = Affine.fit(a.matmul_flops, b.matmul_flops)
+        u.attention_flops = Affine.fit(a.attention_flops, b.attention_flops)
         u.other_bytes = Affine.fit(a.other_bytes, b.other_bytes)
         u.kernels = Affine.fit(a.kernels, b.kernels)
-        for f in ("selective_saved", "selective_skip_flops", "selective_skip_bytes", "selective_skip_kernels"):
+        for f in ("selective_saved", "selective_skip_flops", "selective_skip_bytes", "selective_skip_kernels",
+                  "backward_working"):
             setattr(u, f, Affine.fit(getattr(a, f), getattr(b, f)))
         u.inputs = [(Affine.fit(x, y), grad) for (x, grad), (y, _) in zip(small.inputs.get(name, ()), large.inputs.get(name, ()))]
 

@@ -13,14 +13,19 @@ the part after the last block with the loss):
   counted where it was *made* (a block's output, kept by the next block, is the block's);
   ``shared``: storages made before the blocks that blocks keep (rotary tables, masks: a
   later pipeline stage receives and keeps them too);
-- ``matmul_flops`` (``torch.utils.flop_counter``'s formulas, attention included),
+- ``matmul_flops`` (``torch.utils.flop_counter``'s formulas, attention included; attention's
+  alone in ``attention_flops``),
   ``other_bytes`` (bytes read and written by every other kernel that is not a view) and
   ``kernels``;
 - for selective activation checkpointing, per block, what the trainer's op policy
   (``fxshard.training.checkpointing.selective_policy``, asked about every op as the checkpoint
   asks it) keeps: ``selective_saved``, the bytes of the unique storages its saved ops output
   (matmuls but every other ``mm``, attention, collectives), and what the recomputation
-  skips because of them (``selective_skip_flops``, ``_bytes``, ``_kernels``).
+  skips because of them (``selective_skip_flops``, ``_bytes``, ``_kernels``);
+- ``backward_working`` (the part after the blocks): the peak bytes its backward makes, run
+  alone from the loss to the last block's output and the head's own parameters: the loss's
+  gradients of the logits (in fp32 when the loss upcasts), alive together at the start of the
+  step's backward, when every block's kept tensors are too (the step's peak in a language model).
 
 Attention runs as on a device: on the meta device ``scaled_dot_product_attention`` would take
 the math path and keep the ``[b, h, s, s]`` probabilities, which flash and memory-efficient
@@ -36,7 +41,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -103,12 +110,14 @@ class UnitCounts:
     saved: int = 0
     shared: int = 0
     matmul_flops: int = 0
+    attention_flops: int = 0  # of matmul_flops: attention's (its kernels run at their own rate)
     other_bytes: int = 0
     kernels: int = 0
     selective_saved: int = 0  # a block under selective checkpointing: its saved ops' outputs
     selective_skip_flops: int = 0  # ... and the FLOPs, bytes and kernels its recomputation skips
     selective_skip_bytes: int = 0
     selective_skip_kernels: int = 0
+    backward_working: int = 0  # the part after the blocks: the peak bytes its own backward makes
 
 
 @dataclass
@@ -179,6 +188,8 @@ class _Counter(TorchDispatchMode):
         self.keep: list[torch.Tensor] = []  # alive until the end: a freed storage's address is not reused
         self.policy = None  # inside a block: the selective checkpointing policy of its forward
         self.selective: set[int] = set()  # storages the policy saves (counted once)
+        self.param_storages: set[int] = set()  # the program's parameters: which units read each
+        self.param_units: dict[int, set[str]] = {}
 
     def _selective(self, unit: UnitCounts, func, args, kwargs, outs, flops: int, moved: int) -> None:
         """Ask the block's selective-checkpointing policy about this op, as the checkpoint would."""
@@ -210,6 +221,8 @@ class _Counter(TorchDispatchMode):
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         in_storages = {_storage(t) for t in ins}
+        for key in in_storages & self.param_storages:
+            self.param_units.setdefault(key, set()).add(self.where())
         fresh = [t for t in outs if _storage(t) not in in_storages]
         packet = func._overloadpacket
         flops = moved = 0
@@ -231,6 +244,46 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of the storages made while it is on and still alive (a storage
+    is freed when its last tensor goes: a weak reference's callback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, weakref.ref] = {}  # a made storage's weak reference (alive, or its callback never runs)
+
+    def _free(self, key: int, nbytes: int, _ref) -> None:
+        self.live -= nbytes
+        del self.refs[key]  # its address may be a later storage's
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):  # a view (a saved tensor unpacked, detached) makes nothing
+            if isinstance(t, torch.Tensor) and _storage(t) not in self.refs and _storage(t) not in inputs:
+                storage = t.untyped_storage()
+                self.live += storage.nbytes()
+                self.refs[storage._cdata] = weakref.ref(storage, functools.partial(self._free, storage._cdata,
+                                                                                    storage.nbytes()))
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _backward_working(loss: torch.Tensor, last_output, head_params: list[torch.Tensor]) -> int:
+    """The peak bytes of the backward from ``loss`` to the last block's output and the head's
+    own parameters (not the blocks': their backward is theirs)."""
+    starts = [t for t in tree_leaves(last_output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = starts[:1] + [p for p in head_params if p.requires_grad]
+    if not loss.requires_grad or not inputs:
+        return 0
+    tracker = _LiveBytes()
+    with tracker:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    del grads
+    return tracker.peak
+
+
 def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: int,
                     loss: Callable[[object, torch.Tensor], torch.Tensor] | None = None,
                     blocks: list[str] = ()) -> ForwardCounts:
@@ -247,16 +300,18 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
         counts.inputs[fqn] = [(_nbytes(t), t.requires_grad and t.is_floating_point())
                               for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
-    def leave() -> None:  # returns None: a forward hook's value would replace the block's output
+    def leave(output) -> None:  # returns None: a forward hook's value would replace the block's output
         state["unit"] = AFTER
+        state["last_output"] = output
         counter.policy = None
 
     for fqn in blocks:
         block = program.get_submodule(fqn)
         handles.append(block.register_forward_pre_hook(lambda m, a, k, fqn=fqn: enter(fqn, a, k), with_kwargs=True))
-        handles.append(block.register_forward_hook(lambda m, a, o: leave()))
+        handles.append(block.register_forward_hook(lambda m, a, o: leave(o)))
     counter = _Counter(counts, lambda: state["unit"])
     state_storages = {_storage(t) for t in list(program.parameters()) + list(program.buffers())}
+    counter.param_storages = {_storage(p) for p in program.parameters()}
     saved: dict[int, tuple[int, str]] = {}
 
     def pack(t: torch.Tensor):
@@ -271,6 +326,7 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
     def on_attention(flops: int, moved: int, out: int) -> None:
         unit = counts.unit(state["unit"])
         unit.matmul_flops += flops
+        unit.attention_flops += flops
         unit.other_bytes += moved
         unit.kernels += 1
         if counter.policy is not None:  # the attention kernel's outputs: saved by selective checkpointing
@@ -286,10 +342,14 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
             if loss is not None:
                 state["unit"] = AFTER
                 logits = getattr(out, "logits", out)
-                loss(out, torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta"))
+                value = loss(out, torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta"))
     finally:
         for h in handles:
             h.remove()
+    if loss is not None and blocks:
+        # the head's own parameters (a tied embedding's gradient would run the blocks' backward)
+        head = [p for p in program.parameters() if counter.param_units.get(_storage(p)) == {AFTER}]
+        counts.unit(AFTER).backward_working = _backward_working(value, state.get("last_output"), head)
     for nbytes, made in saved.values():
         counts.unit(made).saved += nbytes
     return counts

@@ -52,6 +52,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=2, help="linear warmup steps, then cosine to 0.1 x lr")
     g.add_argument("--clip", type=float, default=1.0, help="max gradient norm, over the whole model (0: no clipping)")
     g.add_argument("--accum", type=int, default=1, help="micro-batches per step, one gradient sync per step")
+    g.add_argument("--accum-grads", choices=("unsharded", "sharded"), default=None,
+                   help="with --accum under FSDP2 (dp or cp): where gradients accumulate between the passes: unsharded "
+                        "(default: FSDP2 holds them whole in fp32, one reduce-scatter per step) or sharded (a "
+                        "reduce-scatter every pass, torchtitan's: 1/dp of the memory); with --mesh auto the planner's")
     g.add_argument("--seed", type=int, default=0, help="weights of a model built from its type, and the data order")
     g.add_argument("--bf16", action="store_true",
                    help="bf16 compute, fp32 master weights and reductions: FSDP2's MixedPrecisionPolicy under dp "

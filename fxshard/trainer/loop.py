@@ -4,7 +4,8 @@
 2. the tokenizer and the data (``fxshard.trainer.data``), each dp rank reading its rows;
 3. the model and each rank's program (``fxshard.trainer.parallelize``);
 4. AdamW, warmup + cosine; a resume from the latest checkpoint (data position included);
-5. per step: ``--accum`` micro-batches (all but the last under ``no_sync``), the
+5. per step: ``--accum`` micro-batches (all but the last under ``no_sync``; FSDP2's
+   gradients held unsharded between them, or with ``--accum-grads sharded`` reduce-scattered each), the
    loss summed over tokens and divided by the global count of scored tokens (exact with
    any padding, on every mesh), clipping over the whole model, the step, a record;
 6. eval, checkpoints, the HF export, ``final checksum``.
@@ -181,6 +182,10 @@ class Run:
         if a.batch % dims.batch_ranks or rows % a.accum:
             raise TrainerError(f"--batch {a.batch} rows over dp={dims.dp} ranks and --accum {a.accum} micro-batches: "
                                f"does not divide\n  fix: --batch a multiple of {dims.batch_ranks * a.accum}")
+        if a.accum_grads is not None and (a.accum == 1 or dims.fsdp_shard_ranks == 1):
+            why = "--accum 1 has no passes to accumulate over" if a.accum == 1 else f"{dims.mesh_spec or 'one process'} has no FSDP2 (dp or cp)"
+            raise TrainerError(f"--accum-grads {a.accum_grads}: {why}, so it would change nothing\n  fix: drop it, or "
+                               f"--accum N with a dp or cp axis")
         micro = rows // a.accum
         m = a.microbatches or dims.pp
         if dims.pp > 1 and micro % m:
@@ -233,6 +238,10 @@ class Run:
         self.module = self.program.module
         if self.mesh is not None:
             self.log.print(self.holdings(model))
+        if a.accum > 1 and dims.fsdp_shard_ranks > 1:
+            self.log.print(f"accumulation: {a.accum} passes a step; FSDP2's gradients " + (
+                "reduce-scattered every pass, accumulated sharded (--accum-grads sharded)" if a.accum_grads == "sharded"
+                else "held unsharded between the passes, reduce-scattered after the last"))
         # bf16 without FSDP2 to cast the parameters (no dp, or --autocast): autocast
         autocast = a.bf16 and (a.autocast or dims.dp == 1)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
@@ -360,7 +369,7 @@ class Run:
         micro = list(zip(ids.chunk(a.accum), labels.chunk(a.accum)))
         for k, (i, l) in enumerate(micro):
             held = k < len(micro) - 1 and self.mesh is not None
-            with no_sync(self.module) if held else contextlib.nullcontext():
+            with no_sync(self.module, sharded_grads=a.accum_grads == "sharded") if held else contextlib.nullcontext():
                 total += self.micro_loss(i, l, count).float()
         if not self.program.pipelined:
             total = self.reduce(total, [*self.dims.batch_axes, "cp"])  # each rank held its rows' and positions' share

@@ -20,6 +20,12 @@ Example::
 
 As with DDP, the optimizer must step only after a backward outside the block.
 
+``no_sync(sharded, sharded_grads=True)``: FSDP2 reduce-scatters in every backward and its
+gradients accumulate sharded (torchtitan's and ZeRO-3's accumulation): between passes a rank
+holds 1/dp of the gradients, not the unsharded fp32 gradients of the whole model part it runs,
+for one reduce-scatter per pass instead of one per step.  fxshard's own syncs of replicated
+parameters are held back either way (their gradients are whole on every rank anyway).
+
 Inside a compiled graph (``fxshard.compile``'s blocks, ``torch.compile``) the syncs are not
 held back: a traced backward keeps no state from one call to the next, so each backward
 there syncs its gradients (the same numbers, ``k`` all-reduces instead of one; FSDP2's
@@ -42,15 +48,17 @@ __all__ = ["no_sync"]
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module) -> Iterator[None]:
+def no_sync(module: nn.Module, sharded_grads: bool = False) -> Iterator[None]:
     """Backward passes inside accumulate gradients without syncing parameters' gradients
     (fxshard's and FSDP2's); the first backward after the block syncs the sum.
+    ``sharded_grads``: FSDP2 still reduce-scatters in each backward, so that its gradients
+    accumulate sharded (less memory, more reduce-scatters; see the module docstring).
 
     Example: ``with fxshard.no_sync(sharded): (loss / k).backward()``
     """
     from torch.distributed.fsdp import FSDPModule
 
-    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    fsdp = [] if sharded_grads else [m for m in module.modules() if isinstance(m, FSDPModule)]
     if isinstance(module, fx.GraphModule) and compiled_blocks(module):
         warnings.warn("fxshard.no_sync: the gradient syncs inside compiled blocks run in every backward (a compiled "
                       "graph holds nothing back between backwards): the same gradients, more all-reduces",

@@ -70,3 +70,26 @@ def test_tiny_mixtral_as_the_trainer_holds(tmp_path):
     entry, = plan_parallelism(str(tmp_path), 4, memory_gib=80, seq=32, global_batch=8, device="cpu",
                               candidates=[{"dp": 2, "ep": 2}])
     assert entry.memory["params"] == FP32 * (dense // 2 + expert // 4), (entry.memory["params"] / FP32, dense, expert)
+
+
+def test_mixtral_8x7b_without_recomputation_accumulates_sharded(tmp_path):
+    """dp=8,ep=8 without activation checkpointing needs accumulation passes; FSDP2's unsharded
+    fp32 gradients held between them (the trainer's default) do not fit 80 GiB, its gradients
+    reduce-scattered every pass (``--accum-grads sharded``, torchtitan's) do: the planner picks
+    that, says so in the trainer's flags, and counts a reduce-scatter per pass."""
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    kw = dict(memory_gib=80, seq=4096, global_batch=256, device="h100", dtype="bf16")
+    mesh = {"dp": 8, "ep": 8, "activation_checkpointing": "none"}
+    held, = plan_parallelism(str(tmp_path), 64, candidates=[{**mesh, "accum_grads": "unsharded"}], **kw)
+    assert not held.fits and held.memory["grads"] > 5 * held.memory["params"], held.memory
+    chosen, = plan_parallelism(str(tmp_path), 64, candidates=[mesh], **kw)
+    assert chosen.fits, chosen.reason
+    assert chosen.candidate.accum_grads == "sharded" and chosen.accum > 1
+    assert chosen.memory["grads"] == chosen.memory["params"]  # only the sharded gradients, 1/64 and 1/8
+    assert chosen.trainer_flags().startswith(f"--mesh dp=8,ep=8 --accum {chosen.accum} --accum-grads sharded")
+    same, = plan_parallelism(str(tmp_path), 64, candidates=[{**mesh, "accum": chosen.accum}], accum_grads="unsharded",
+                             **kw)
+    # FSDP2's bytes on dp: the same gathers, and a reduce-scatter of the padded parameters per pass, not per step
+    extra = chosen.comm_bytes["dp"] - same.comm_bytes["dp"]
+    fsdp_params = chosen.memory["params"] * 8  # the dp group's whole parameters (fp32: FSDP2 reduces in fp32)
+    assert extra == pytest.approx((chosen.accum - 1) * fsdp_params, rel=0.02), (extra, fsdp_params)

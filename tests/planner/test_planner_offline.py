@@ -92,7 +92,7 @@ def test_memory_and_what_fits():
     fits = [e for e in best if e.fits]
     assert fits and [e.step_time_s for e in fits] == sorted(e.step_time_s for e in fits)
     e = fits[0]
-    assert set(e.memory) == {"params", "grads", "optimizer", "activations", "transient", "total"}
+    assert set(e.memory) == {"params", "grads", "optimizer", "activations", "transient", "loss", "total"}
     assert e.memory["grads"] == e.memory["params"] and e.memory["optimizer"] == 2 * e.memory["params"]
     assert e.memory["total"] == pytest.approx(sum(v for k, v in e.memory.items() if k != "total"))
     assert best_mesh(model, 4, 1, seq=SEQ, global_batch=8, device="cpu") == e.mesh_spec
@@ -146,3 +146,25 @@ def test_the_command_line(capsys, tmp_path):
     assert main(["plan", "--model", "llama", "--world", "2", "--seq", "8", "--batch", "2", "--memory-gib", "1",
                  "--candidates", "tp=two"]) == 2
     assert "is not AXIS=N" in capsys.readouterr().err
+
+
+def test_the_loss_backward_at_the_peak():
+    """The step's peak is the start of the backward: every kept tensor and the loss's gradients of
+    the logits (two fp32 [tokens, vocab] tensors alive in ``cross_entropy``'s backward: nll's and
+    log-softmax's, per row; the head's weight gradient once).  Loss parallel holds them per
+    vocabulary shard; only the last pipeline stage has them."""
+    model = _llama()
+    vocab, hidden, rows = model.config.vocab_size, model.config.hidden_size, 4
+    planned = PlannedModel.resolve(model)
+    dp = program_facts(Captures(planned, SEQ), SubPlan(tp=1)).after.backward_working
+    logits_grads = 2 * rows * SEQ * vocab * 4  # fp32
+    assert logits_grads <= dp.at(rows) <= logits_grads + vocab * hidden * 4 + 2 * rows * SEQ * hidden * 4
+    tp = program_facts(Captures(planned, SEQ), SubPlan(tp=2)).after.backward_working
+    assert tp.at(rows) < 0.7 * dp.at(rows)  # the shard's, not the whole vocabulary's
+    (flat,) = plan_parallelism(model, 4, memory_gib=1, seq=SEQ, global_batch=4 * rows, device="cpu", dtype="fp32",
+                               candidates=[{"dp": 4}])
+    assert flat.memory["loss"] == pytest.approx(dp.at(rows), rel=0.01)
+    (piped,) = plan_parallelism(model, 4, memory_gib=1, seq=SEQ, global_batch=4 * rows, device="cpu", dtype="fp32",
+                                candidates=[{"pp": 2, "dp": 2, "microbatches": 2}])
+    first, last = piped.ranks
+    assert first.memory["loss"] == 0 and last.memory["loss"] > 0

@@ -113,6 +113,8 @@ MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2
           ("qwen3_moe", "ep=2", 2, []), ("qwen3_moe", "dp=2,ep=2", 4, []),
           # the routed experts as fxshard's grouped GEMMs (one process: HF's own grouped_mm kernel)
           ("mixtral", "ep=2", 2, []), ("mixtral", "dp=2,ep=2", 4, []),
+          # FSDP2 reduce-scattering every accumulation pass, its gradients accumulated sharded (torchtitan's)
+          ("mixtral", "dp=2,ep=2", 4, ["--accum-grads", "sharded"]),
           ("llama", "pp=2", 2, ["--schedule", "Interleaved1F1B", "--microbatches", "2"]),
           # torchtitan's per-op selective checkpointing on the program's blocks, under FSDP2 x tp and pp x FSDP2
           ("llama", "dp=2,tp=2", 4, ["--activation-checkpointing", "selective"]),
@@ -151,6 +153,10 @@ def test_mesh_trains_as_one_process(model, mesh, nproc, extra, checkpoints, cach
     pipelined = re.search(r"^fxshard train: .* on .*pp=", stdout, re.M) is not None
     assert check.group(1) == ("loss" if pipelined else "logits")
     _same_logits(str(export), want_export)
+    accumulation = re.search(r"^accumulation: 2 passes a step; FSDP2's gradients (.*)$", stdout, re.M)
+    assert mesh == "auto" or (accumulation is not None) == any(a in mesh for a in ("dp=", "cp=")), stdout[:3000]
+    if accumulation:
+        assert ("reduce-scattered every pass" in accumulation.group(1)) == ("--accum-grads" in extra), accumulation.group(1)
     if mesh == "auto":  # the planner's choice, said before the run
         assert re.search(r"^mesh auto: --mesh \S+", stdout, re.M), stdout[:2000]
     holds = re.search(r"^holds: (.*)$", stdout, re.M).group(1)

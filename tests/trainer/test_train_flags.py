@@ -62,6 +62,8 @@ def refused(capsys, *argv) -> str:
     (["--eval-every", "2"], "--eval-split"),
     (["--autocast"], "--bf16 --autocast"),
     (["--batch", "6", "--accum", "4"], "does not divide"),
+    (["--accum-grads", "sharded"], "--accum 1 has no passes to accumulate over"),
+    (["--accum", "2", "--accum-grads", "unsharded"], "one process has no FSDP2 (dp or cp), so it would change nothing"),
     (["--seq", "1"], "--seq 1: at least 2"),
     (["--model-config", "no_such_field=1"], "no_such_field"),
     (["--model", "torchtitan-llama3", "--export-hf", "out"], "an HF checkpoint needs an HF model"),

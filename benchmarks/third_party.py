@@ -1,7 +1,7 @@
 """Third-party conformance: model code fxshard did not write, sharded at tp=2 and
 compared with one device.
 
-The cases are :func:`fxshard.testing.third_party.cases`: litgpt's ``GPT`` from its own
+The cases are :func:`fxshard.conformance.third_party.cases`: litgpt's ``GPT`` from its own
 configs (auto_plan), torchtune's component builders with torchtune's own TP plan
 (``base_llama_tp_plan`` through ``Plan.from_torch``), transformers' encoders,
 encoder-decoders and vision transformers, which ship no TP plan (auto_plan).  Each is
@@ -40,7 +40,7 @@ from equivalence import check_simulated  # noqa: E402  (tests/: the project's in
 import torch  # noqa: E402
 
 import fxshard  # noqa: E402
-from fxshard.testing.third_party import NOT_INSTALLABLE, cases  # noqa: E402
+from fxshard.conformance.third_party import NOT_INSTALLABLE, cases  # noqa: E402
 from fxshard.meta import program_meta  # noqa: E402
 
 COLUMNS = [

@@ -89,7 +89,7 @@ LAYERS = [
     ("testing and demo models", ["fxshard.testing"]),
     ("trainer", ["fxshard.trainer"]),
     ("planner", ["fxshard.planner"]),
-    ("third-party conformance cases", ["fxshard.testing.third_party"]),
+    ("third-party conformance cases", ["fxshard.conformance"]),
     ("public face", ["fxshard"]),
     ("command line", ["fxshard.cli", "fxshard.__main__"]),
 ]

@@ -5,7 +5,7 @@ through ``auto_plan``), each transformed at tp=2 and equal to one device: the lo
 the output, every parameter gradient (each rank's shard against the matching slice)
 and the output after 2 SGD steps, with example inputs that are other tensors than the
 run inputs (labels distinct from the ids, -100 padded).  A case fxshard refuses by
-design raises the PlanError its case names (:mod:`fxshard.testing.third_party`).
+design raises the PlanError its case names (:mod:`fxshard.conformance.third_party`).
 
 Simulated ranks for the breadth; one real-gloo spawn over one case per library."""
 import pytest
@@ -13,7 +13,7 @@ import torch
 
 import fxshard
 from equivalence import Case, check_real_cases, check_simulated
-from fxshard.testing import third_party
+from fxshard.conformance import third_party
 from fxshard.meta import program_meta
 
 CASES = {c.name: c for c in third_party.all_cases()}  # nothing imported yet: collection stays cheap on every worker

@@ -6,8 +6,6 @@
 * :mod:`fxshard.testing.nanogpt`: a nanoGPT-style GPT-2 (Karpathy's structure).
 * :mod:`fxshard.testing.hf_tiny`: tiny configs of every HF decoder family with a TP plan.
 * :mod:`fxshard.testing.torchtitan_models`: a small torchtitan Llama3.
-* :mod:`fxshard.testing.third_party`: litgpt, torchtune and transformers models with their
-  plans (the library's own or ``auto_plan``'s), the cases of the third-party conformance sweep.
 * :mod:`fxshard.testing.bench` (its contenders in :mod:`fxshard.testing.bench_contenders`): the
   step-time harness behind ``benchmarks/step_time.py`` and ``python -m fxshard demo --bench``.
 * :mod:`fxshard.testing.launch`: one function run on every rank (gloo processes, or torchrun's).

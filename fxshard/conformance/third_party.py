@@ -7,7 +7,7 @@ library's own config class or builder, with the plan its library ships (torchtun
 :func:`fxshard.auto_plan` finds (libraries that ship none: litgpt, transformers'
 encoders, encoder-decoders and vision transformers)::
 
-    from fxshard.testing.third_party import cases
+    from fxshard.conformance.third_party import cases
 
     for case in cases():                      # those whose library imports here
         model = case.build()                  # tiny, float32, seeded

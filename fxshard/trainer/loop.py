@@ -39,7 +39,7 @@ from fxshard.trainer.export import (check_output_dir, export_checkpoint, make_sc
                                     remove_scratch_dir, save_model_dir)
 from fxshard.trainer.metrics import MetricsLogger, Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 from fxshard.trainer.models import ModelSource, parse_overrides
-from fxshard.recipe.parallel_dims import ParallelDims
+from fxshard.recipe.parallel_dims import MeshError, ParallelDims
 from fxshard.trainer.parallelize import ParallelOptions, Program, enable_hf_checkpointing, parallelize
 
 VOCAB_MULTIPLE = 64  # a model built from its type gets the tokenizer's vocabulary padded to this
@@ -178,22 +178,21 @@ class Run:
                 if value is not None:
                     raise TrainerError(f"{flag} {value} without a pp axis: it sets the pipeline's schedule\n  fix: "
                                        f"--mesh pp=N,... or drop {flag}")
-        rows = a.batch // dims.batch_ranks
-        if a.batch % dims.batch_ranks or rows % a.accum:
-            raise TrainerError(f"--batch {a.batch} rows over dp={dims.dp} ranks and --accum {a.accum} micro-batches: "
-                               f"does not divide\n  fix: --batch a multiple of {dims.batch_ranks * a.accum}")
         if a.accum_grads is not None and (a.accum == 1 or dims.fsdp_shard_ranks == 1):
             why = "--accum 1 has no passes to accumulate over" if a.accum == 1 else f"{dims.mesh_spec or 'one process'} has no FSDP2 (dp or cp)"
             raise TrainerError(f"--accum-grads {a.accum_grads}: {why}, so it would change nothing\n  fix: drop it, or "
                                f"--accum N with a dp or cp axis")
-        micro = rows // a.accum
+        # what must divide: the recipe's one check (the planner's too), its rule said in the flags' words
         m = a.microbatches or dims.pp
-        if dims.pp > 1 and micro % m:
-            raise TrainerError(f"--microbatches {m}: a step's micro-batch of {micro} rows per dp rank does not divide into "
-                               f"{m}\n  fix: --batch a multiple of {dims.batch_ranks * a.accum * m}")
-        if dims.cp > 1 and a.seq % (2 * dims.cp if dims.pp == 1 else dims.cp):
-            raise TrainerError(f"--seq {a.seq} over cp={dims.cp}: context parallelism splits each sequence into "
-                               f"{2 * dims.cp if dims.pp == 1 else dims.cp} pieces\n  fix: --seq a multiple of that")
+        try:
+            dims.check(batch=a.batch, accum=a.accum, microbatches=m if dims.pp > 1 else 1, seq=a.seq)
+        except MeshError as e:
+            given = f"--batch {a.batch}, --accum {a.accum}" + (f", --microbatches {m}" if dims.pp > 1 else "")
+            flags = given if "batch" in e.reason or "rows" in e.reason else f"--seq {a.seq}"
+            fix = str(e).split("\n  fix: ", 1)[-1] if "\n  fix: " in str(e) else "see python -m fxshard train --help"
+            fix = fix.replace("a batch that is", "--batch").replace("a sequence that is", "--seq")
+            where = f"--mesh {dims.mesh_spec}" if dims.mesh_spec else "one process"
+            raise TrainerError(f"{flags} on {where}: {e.reason}\n  fix: {fix}") from None
 
     # ------------------------------------------------------------------ setup
 

@@ -61,7 +61,8 @@ def refused(capsys, *argv) -> str:
     (["--ckpt-every", "2"], "--ckpt-dir"),
     (["--eval-every", "2"], "--eval-split"),
     (["--autocast"], "--bf16 --autocast"),
-    (["--batch", "6", "--accum", "4"], "does not divide"),
+    (["--batch", "6", "--accum", "4"], "--batch 6, --accum 4 on one process: accum=4 passes do not divide each dp "
+                                       "rank's 6 rows\n  fix: --batch a multiple of 4"),
     (["--accum-grads", "sharded"], "--accum 1 has no passes to accumulate over"),
     (["--accum", "2", "--accum-grads", "unsharded"], "one process has no FSDP2 (dp or cp), so it would change nothing"),
     (["--seq", "1"], "--seq 1: at least 2"),

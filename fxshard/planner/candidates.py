@@ -95,8 +95,10 @@ class Candidate:
 
     @property
     def sharded_grads(self) -> bool:
-        """FSDP2 reduce-scatters every pass (``accum_grads="sharded"`` where it changes anything)."""
-        return self.accum_grads == "sharded" and self.accum > 1 and self.dims.fsdp_shard_ranks > 1
+        """FSDP2 reduce-scatters every pass (``accum_grads="sharded"`` where it changes anything:
+        under pp torch's schedule reduce-scatters after every pass whatever it says)."""
+        return (self.accum_grads == "sharded" and self.accum > 1 and self.dims.fsdp_shard_ranks > 1
+                and self.dims.pp == 1)
 
     def micro_rows(self, global_batch: int) -> float:
         """The rows one rank runs at once: a dp rank's rows over the passes and the pipeline's micro-batches."""

@@ -18,7 +18,9 @@ Per pipeline rank (all ranks are alike without pp):
   outputs (matmuls, attention, collectives: measured with the trainer's policy), and one
   block's recomputation of the rest; ``selective:K``: every K-th block in full.  ``transient``: under FSDP2, two blocks gathered
   (the current one and the prefetched) with one block's unsharded gradients, and the root's
-  parameters, which FSDP2 keeps gathered from the forward to the backward;
+  parameters, which FSDP2 keeps gathered from the forward to the backward; a pipeline stage under
+  FSDP2 holds all its parameters gathered and its gradients unsharded through a pass (torch's
+  schedule reshards and reduce-scatters after the pass's last backward);
 - **communication** per step and axis, counted as ``fxshard.comm_summary`` counts (a call's
   larger buffer, sends and receives both): the program's collectives times the micro-batches
   (activations scaled to the micro-batch's rows), pp's sends and receives of what crosses each
@@ -110,13 +112,15 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         act = sum(_stage_activations(facts, stage_blocks, s, num_stages, rows, ac_mode, ckpt) for s in stages)
         act *= _in_flight(c, r) / len(stages)
         # accumulating, FSDP2 keeps each block's unsharded gradient (fp32, its reduce dtype) until the last pass
-        # (with --accum-grads sharded it reduce-scatters every pass instead: its sharded gradients accumulate)
-        accumulated = sum(u.param_bytes for u in units) if A > 1 and fsdp > 1 and not c.sharded_grads else 0.0
+        # (with --accum-grads sharded it reduce-scatters every pass instead: its sharded gradients accumulate);
+        # under pp torch's schedule reduce-scatters after every pass, and holds the stage's instead (transient)
+        accumulated = sum(u.param_bytes for u in units) if A > 1 and fsdp > 1 and pp == 1 and not c.sharded_grads else 0.0
         # the step's peak on the last stage: the loss's backward starts with every kept tensor alive; no block
         # is being recomputed then, so only what its gradients exceed a recomputation's working set by is added
         loss_working = facts.after.backward_working.at(rows) if last else 0.0
         memory = {"params": params, "grads": params + accumulated, "optimizer": 2 * params, "activations": act,
-                  "transient": _fsdp_transient(facts, blocks, first, last, fsdp, bf16),
+                  "transient": (_stage_held(units, bf16) if pp > 1 and fsdp > 1 else
+                                _fsdp_transient(facts, blocks, first, last, fsdp, bf16)),
                   "loss": max(0.0, loss_working - _recompute_working(facts, blocks, rows, ac_mode, ckpt))}
         memory["total"] = sum(memory.values())
         comm, comm_s = _plan_comm(units, rows, M, bf16, m, cal, pipelined=pp > 1, recompute=len(ckpt) / len(blocks) if blocks else 0.0, mode=ac_mode)
@@ -126,7 +130,7 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
         comm = {a: b * A for a, b in comm.items()}  # each pass runs the program's collectives and the pipeline's sends
         fsdp_axis = "dp" if dp > 1 else "cp"  # the outer of FSDP2's axes: its link spans both
         fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, M, pp, bf16, m, cal, accum=A, axis=fsdp_axis,
-                                                        reduce_every_pass=c.sharded_grads)
+                                                        reduce_every_pass=c.sharded_grads or pp > 1)
         if fsdp_bytes:
             comm[fsdp_axis] = comm.get(fsdp_axis, 0.0) + fsdp_bytes
         fwd = sum(_forward_seconds(u, rows, cal) for u in units)
@@ -268,6 +272,16 @@ def _recompute_working(facts: ProgramFacts, blocks: list[int], rows: float, mode
 def _grad_inputs(u: UnitFacts, rows: float) -> float:
     """The bytes of a block's inputs that carry a gradient (the hidden state it takes)."""
     return sum(b.at(rows) for b, grad in u.inputs if grad)
+
+
+def _stage_held(units: list[UnitFacts], bf16: bool) -> float:
+    """A pipeline stage under FSDP2: torch's schedule runs each micro-batch's backward with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``, then
+    reduce-scatters once after the pass (``perform_reduce_grad``), so from the first backward on
+    the stage's parameters stay gathered (the compute dtype) and its gradients unsharded (fp32,
+    FSDP2's reduce dtype, in which it accumulates them)."""
+    held = sum(u.param_bytes for u in units)
+    return held * (0.5 if bf16 else 1.0) + held
 
 
 def _fsdp_transient(facts: ProgramFacts, blocks: list[int], first: bool, last: bool, dp: int, bf16: bool) -> float:

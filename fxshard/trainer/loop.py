@@ -178,10 +178,12 @@ class Run:
                 if value is not None:
                     raise TrainerError(f"{flag} {value} without a pp axis: it sets the pipeline's schedule\n  fix: "
                                        f"--mesh pp=N,... or drop {flag}")
-        if a.accum_grads is not None and (a.accum == 1 or dims.fsdp_shard_ranks == 1):
-            why = "--accum 1 has no passes to accumulate over" if a.accum == 1 else f"{dims.mesh_spec or 'one process'} has no FSDP2 (dp or cp)"
+        if a.accum_grads is not None and (a.accum == 1 or dims.fsdp_shard_ranks == 1 or dims.pp > 1):
+            why = ("--accum 1 has no passes to accumulate over" if a.accum == 1 else
+                   f"{dims.mesh_spec or 'one process'} has no FSDP2 (dp or cp)" if dims.fsdp_shard_ranks == 1 else
+                   "under pp torch's schedule reduce-scatters FSDP2's gradients after every pass")
             raise TrainerError(f"--accum-grads {a.accum_grads}: {why}, so it would change nothing\n  fix: drop it, or "
-                               f"--accum N with a dp or cp axis")
+                               f"--accum N with a dp or cp axis and no pp")
         # what must divide: the recipe's one check (the planner's too), its rule said in the flags' words
         m = a.microbatches or dims.pp
         try:
@@ -237,7 +239,7 @@ class Run:
         self.module = self.program.module
         if self.mesh is not None:
             self.log.print(self.holdings(model))
-        if a.accum > 1 and dims.fsdp_shard_ranks > 1:
+        if a.accum > 1 and dims.fsdp_shard_ranks > 1 and dims.pp == 1:
             self.log.print(f"accumulation: {a.accum} passes a step; FSDP2's gradients " + (
                 "reduce-scattered every pass, accumulated sharded (--accum-grads sharded)" if a.accum_grads == "sharded"
                 else "held unsharded between the passes, reduce-scattered after the last"))

@@ -116,3 +116,31 @@ def test_mesh_auto_without_a_memory_flag_on_a_cpu(capsys, monkeypatch):
         assert args.mesh in ("dp=2", "tp=2", "pp=2") and args.accum >= 1 and args.memory_gib is None
         out = capsys.readouterr().out
         assert out.count("mesh auto: --mesh ") == (1 if rank == "0" else 0), out
+
+
+def test_mesh_auto_takes_the_planners_sharded_gradients(monkeypatch):
+    """When the planner's best accumulates FSDP2's gradients sharded, ``--mesh auto`` runs it so
+    (``--accum-grads sharded``); a user's ``--accum-grads`` is planned with, not overridden."""
+    import fxshard.planner
+    from fxshard.cli.train import resolve_auto_mesh
+    from fxshard.planner.api import PlanEntry
+    from fxshard.planner.candidates import Candidate
+
+    asked = {}
+
+    def plan(*args, **kwargs):
+        asked.update(kwargs)
+        c = Candidate.make({"dp": 2}, accum=2, accum_grads=kwargs.get("accum_grads") or "sharded")
+        return [PlanEntry(dict(c.mesh), 1, None, "none", memory={"total": 1.0}, step_time_s=1.0, candidate=c, accum=2)]
+
+    monkeypatch.setattr(fxshard.planner, "plan_parallelism", plan)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parser = add_train_arguments(argparse.ArgumentParser())
+    base = ["--model", "llama", "--model-config", "num_hidden_layers=2", "--data", "x.txt", "--mesh", "auto", "--seq",
+            str(SEQ), "--batch", "8", "--device", "cpu", "--memory-gib", "1"]
+    args = parser.parse_args(base)
+    resolve_auto_mesh(args)
+    assert (args.mesh, args.accum, args.accum_grads) == ("dp=2", 2, "sharded") and asked["accum_grads"] is None
+    args = parser.parse_args(base + ["--accum-grads", "unsharded"])
+    resolve_auto_mesh(args)
+    assert (args.accum, args.accum_grads) == (2, "unsharded") and asked["accum_grads"] == "unsharded"

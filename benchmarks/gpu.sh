@@ -23,7 +23,8 @@
 #                     and inductor
 #   6. trainer        python -m fxshard train against the plain HF + AdamW loop on the same
 #                     checkpoint and text (bf16, hidden 1024 x 8 layers, 8 x 1024 tokens):
-#                     tokens/s, the ratio (>= 0.97 wanted) and MFU (benchmarks/trainer.py)
+#                     tokens/s, the ratio (>= 0.97 wanted) and MFU, and the planner's predicted peak
+#                     memory against max_memory_allocated (within 15% wanted) (benchmarks/trainer.py)
 # Everything lands in one JSON file, $OUT/../gpu.json (per step: command, exit status, seconds,
 # log tail, and the step's own results JSON).  The machine's own python3 and torch are used.
 set -u -o pipefail

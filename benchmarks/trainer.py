@@ -11,7 +11,10 @@ Both are timed per step (the data read included), the first ``--warmup`` steps l
 median of the rest is taken per run, the best of ``--repeats`` alternated runs is kept for each
 loop, and printed with the ratio trainer / plain and, on a GPU, the MFU. A third row runs the
 trainer's step and the plain step in one process, one of each in turn: what the trainer adds
-per step, apart from the load of a shared machine drifting between runs.
+per step, apart from the load of a shared machine drifting between runs.  Last, the planner's
+prediction of the run's peak memory (``fxshard.plan_parallelism`` on the same checkpoint, batch
+and dtype, one rank) against the trainer's measured peak (on a GPU ``max_memory_allocated``; on a
+CPU the resident set, which holds the interpreter and libraries too: shown, not compared).
 
     python benchmarks/trainer.py                                        # CPU, a small Llama
     python benchmarks/trainer.py --device cuda --hidden 1024 --layers 8 --seq 1024 --batch 8 --bf16
@@ -164,6 +167,7 @@ def main(argv=None) -> None:
             records = trainer_run(args, ckpt, cache, os.path.join(root, f"logs{k}"))[args.warmup:]
             trainer_runs.append((statistics.median(r["tokens_per_s"] for r in records), records))
         plain_steps, trainer_steps = interleaved(args, ckpt, cache)
+        memory = planned_memory(args, ckpt, max(r["peak_mem_gib"] for r in records))
     plain_tps = max(plain_runs)
     trainer_tps, records = max(trainer_runs, key=lambda run: run[0])
     plain_s, trainer_s = statistics.median(plain_steps[args.warmup:]), statistics.median(trainer_steps[args.warmup:])
@@ -182,7 +186,22 @@ def main(argv=None) -> None:
           f"median of steps {args.warmup + 1}-{args.steps}; {describe_machine()}")
     print(table(rows, [("loop", "loop", ""), ("tokens_per_s", "tokens/s", ",.0f"), ("ratio", "trainer / plain", ".3f"),
                        ("tflops", "TFLOPs", ".3f"), ("mfu", "MFU", ".1%")]))
-    write_json("trainer", vars(args), rows, args.out)
+    print(f"peak memory: predicted {memory['predicted_gib']:.3f} GiB ({memory['parts']}), measured "
+          f"{memory['measured_gib']:.3f} GiB ({memory['measured_as']}), ratio {memory['ratio']:.2f}")
+    write_json("trainer", vars(args), {"loops": rows, "memory": memory}, args.out)
+
+
+def planned_memory(args, ckpt: str, measured_gib: float) -> dict:
+    """The planner's predicted peak for this run (one rank, the trainer's dtype) beside the measured one."""
+    from fxshard.planner import plan_parallelism
+
+    (e,) = plan_parallelism(ckpt, 1, memory_gib=1e6, seq=args.seq, global_batch=args.batch,
+                            device="cpu" if args.device == "cpu" else None, dtype="bf16" if args.bf16 else "fp32",
+                            candidates=[{}])
+    predicted = e.memory["total"] / 2**30
+    return {"predicted_gib": predicted, "measured_gib": measured_gib, "ratio": predicted / measured_gib,
+            "measured_as": "max_memory_allocated" if args.device.startswith("cuda") else "resident set (not comparable)",
+            "parts": ", ".join(f"{k} {v / 2**30:.3f}" for k, v in e.memory.items() if k != "total")}
 
 
 if __name__ == "__main__":

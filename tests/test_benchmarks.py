@@ -267,6 +267,11 @@ def test_trainer_benchmark(results):
     text = _run([str(BENCH / "trainer.py"), "--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "32",
                  "--steps", "4", "--warmup", "1", "--repeats", "1", "--out", str(out)], timeout=300)
     assert "python -m fxshard train" in text and "plain HF + AdamW" in text
-    rows = {r["loop"]: r for r in _results(out)}
+    results_ = _results(out)
+    rows = {r["loop"]: r for r in results_["loops"]}
     assert rows["plain HF + AdamW"]["tokens_per_s"] > 0 and rows["python -m fxshard train"]["tokens_per_s"] > 0
     assert rows["python -m fxshard train"]["tflops"] > 0 and rows["python -m fxshard train"]["mfu"] is None  # no CPU peak
+    # the planner's predicted peak beside the measured one (a CPU's resident set: shown, not compared)
+    memory = results_["memory"]
+    assert memory["predicted_gib"] > 0 and memory["measured_gib"] > 0 and "not comparable" in memory["measured_as"]
+    assert "peak memory: predicted" in text

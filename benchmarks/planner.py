@@ -54,6 +54,10 @@ PUBLISHED = [
     ("T4", "70B", 256, 8192, 512, {"dp": 32, "tp": 8}, "full", 71.9, 829, "fp8+compile"),
     ("T5", "405B", 512, 8192, 256, {"dp": 8, "tp": 8, "pp": 8, "schedule": "Interleaved1F1B"}, "full", 72.7, 128,
      "fp8+compile"),
+    # its async-TP benchmark (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, the same machines), the vanilla
+    # (synchronous) TP baseline in bf16: what fxshard's tp runs; no memory published
+    ("A1", "70B", 256, 8192, 512, {"dp": 32, "tp": 8}, "full", None, 597.3, "bf16+compile"),
+    ("A2", "8B", 64, 8192, 96, {"dp": 8, "tp": 8}, "selective", None, 4378, "bf16+compile"),
 ]
 
 
@@ -73,7 +77,7 @@ def published_rows(root: str, device: str = "h100-hbm2e", precision: str | None 
         predicted_gib = e.memory.get("total", 0) / 2**30
         rows.append({"run": f"{table_} Llama-3.1-{size}", "gpus": world, "seq": seq, "mesh": e.mesh_spec, "AC": ac,
                      "precision": published_in, "fits": "yes" if e.fits else f"no: {e.reason}", "pub_gib": gib,
-                     "pred_gib": predicted_gib, "mem_ratio": predicted_gib / gib, "pub_tps": tps,
+                     "pred_gib": predicted_gib, "mem_ratio": predicted_gib / gib if gib else None, "pub_tps": tps,
                      "pred_tps": e.tokens_per_s, "tps_ratio": e.tokens_per_s / tps,
                      "best": f"{best.mesh_spec} {best.activation_checkpointing} accum {best.accum}" if best.fits else "-",
                      "best_tps": best.tokens_per_s if best.fits else 0.0})

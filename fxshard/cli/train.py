@@ -112,7 +112,7 @@ def _exit_worker(status: int) -> None:
 
 def _train_status(args) -> int:
     from fxshard.errors import PlanError
-    from fxshard.trainer.loop import claim_failure, interrupted_message, run
+    from fxshard.trainer.loop import claim_failure, interrupted_message, let_rank_0_report, run
 
     try:
         if args.mesh == "auto":
@@ -125,6 +125,8 @@ def _train_status(args) -> int:
     except (TrainerError, PlanError) as e:
         if claim_failure():
             print(f"fxshard train: error: {e}", file=sys.stderr, flush=True)
+        else:
+            let_rank_0_report()
         return 2
     except ImportError:  # a missing extra: python -m fxshard names it
         raise

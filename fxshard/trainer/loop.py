@@ -103,6 +103,15 @@ def claim_failure() -> bool:
     return _FIRST_FAILURE
 
 
+def let_rank_0_report(seconds: float = 10.0) -> None:
+    """On a rank that leaves an error found before the processes met to rank 0 (every rank
+    checks the same flags and files), wait a little before exiting: torchrun stops every
+    worker as soon as one exits, and a silent rank exiting first would stop rank 0 before it
+    says what is wrong.  Rank 0's own exit ends the wait (torchrun stops this worker then)."""
+    if _FAILURE_STORE is None and int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(seconds)
+
+
 def interrupted_message(ckpt_dir: str | None, step: int | None = None) -> str:
     """The one line a run stopped by Ctrl-C ends with: where it stopped and the last committed
     checkpoint (what a run started again with the same ``--ckpt-dir`` resumes from).
@@ -151,6 +160,7 @@ class Run:
         self.rank = dist.get_rank() if world > 1 else 0
         self.mesh = self.dims.build_mesh(self.device.type)
         self.log = MetricsLogger(None, self.rank)  # until the resume step is known
+        self.interrupted = False  # Ctrl-C seen while training (_interruptible)
 
     # ------------------------------------------------------------------ checks before any work
 
@@ -406,11 +416,17 @@ class Run:
     # ------------------------------------------------------------------ the run
 
     def train(self) -> None:
+        with _interruptible(self):
+            self.train_steps()
+
+    def train_steps(self) -> None:
         a = self.args
         throughput = Throughput(self.device)
         tokens_per_step = a.batch * a.seq
         world = self.dims.world_size
         for step in range(self.start, a.steps):
+            if self.interrupted:  # a Ctrl-C whose KeyboardInterrupt a callback swallowed (Python ignores it there)
+                raise KeyboardInterrupt
             throughput.start()
             rec = self.train_step()
             throughput.stop(tokens_per_step)
@@ -502,6 +518,29 @@ class Run:
             dist.all_gather(parts, logits.contiguous(), group=self.mesh[axis].get_group())
             logits = torch.cat(parts)
         return whole, ("logits", logits.float().cpu())
+
+
+@contextlib.contextmanager
+def _interruptible(run: "Run"):
+    """Ctrl-C (SIGINT) while training: Python's KeyboardInterrupt, and a note of it the loop
+    reads at each step, since a KeyboardInterrupt raised inside a callback (a weak reference's,
+    a ``__del__``) is printed and ignored.  Only where Python's own handler is in place, in the
+    main thread."""
+    import signal
+    import threading
+
+    def on_sigint(signum, frame):
+        run.interrupted = True
+        raise KeyboardInterrupt
+
+    mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if mine:
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _spans(xs: list[int]) -> str:

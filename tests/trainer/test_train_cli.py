@@ -125,7 +125,9 @@ MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2
 
 
 # the widest cases run in .ci/run's second stage (pytest -m sweep), keeping the main stage under 30 minutes
-SWEEP_MESHES = {"pp=2,dp=2 --activation-checkpointing selective"}
+SWEEP_MESHES = {"pp=2,dp=2 --activation-checkpointing selective",
+                # the library's no_sync(sharded_grads=True) is proven in the main stage (tests/test_accumulate.py)
+                "dp=2,ep=2 --accum-grads sharded"}
 
 
 @pytest.mark.parametrize("model,mesh,nproc,extra", [

@@ -65,6 +65,7 @@ def _check(model_type: str, configs: list[dict], measured: list[dict], comm: set
     return lines
 
 
+@pytest.mark.sweep  # 4 processes, 8 configurations: .ci/run's second stage (the main stage stays under 30 minutes)
 def test_predictions_equal_what_real_ranks_hold_and_send(tmp_path):
     dense = _configs("llama", ["tp=4", "dp=2,tp=2", "pp=2,tp=2", "cp=2,tp=2", "pp=2,dp=2"])
     moe = _configs("mixtral", ["ep=4", "pp=2,ep=2", "dp=2,ep=2"])

@@ -306,7 +306,10 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path, cache):
     """SIGINT while training: one line on stderr (not a traceback), exit status 130."""
     ckpt = tmp_path / "ckpt"
     argv = [sys.executable, "-m", "fxshard", *_argv(cache, "--ckpt-dir", str(ckpt), "--ckpt-every", "1", steps=100000)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT)
+    # as a terminal starts it: SIGINT at its default (a shell's background job, such as a CI script run
+    # with `&`, starts its children with SIGINT ignored, and Python then keeps ignoring it)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in proc.stdout:

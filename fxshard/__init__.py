@@ -13,6 +13,16 @@ Example::
     sharded = fxshard.transform(model, plan, example_inputs=(tokens,))
     print(fxshard.dump(sharded))
 """
+import torch as _torch
+
+# torch caches the set of factory functions a ``with torch.device(...)`` block redirects
+# the first time one runs under it; transformers' ``from_pretrained`` swaps ``torch.linspace``
+# for a wrapper while building a model on meta, and a cache filled then leaves every later
+# ``torch.linspace`` on the CPU (a meta model with one CPU table: fxshard's meta-device
+# planning and ``materialize`` would see mixed devices). Filled here, before any such swap.
+with _torch.device("meta"):
+    _torch.empty(0)
+
 from fxshard.errors import InternalError, PlacementMismatchError, PlanError, SignatureMismatchError
 from fxshard.plan.mesh import MeshSpec
 from fxshard.plan.plan import Plan

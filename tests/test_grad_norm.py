@@ -171,6 +171,7 @@ def test_clip_grad_norm_real_gloo_two_ranks(tmp_path):
     spawn(_two_ranks, 2, str(tmp_path))
 
 
+@pytest.mark.sweep  # two real ranks run in the main stage
 def test_clip_grad_norm_real_gloo_four_ranks(tmp_path):
     spawn(_four_ranks, 4, str(tmp_path))
 

@@ -4,6 +4,8 @@ round trips (keys stay the model's), ``.to(device)`` and ``materialize``: the fr
 makes every plain tensor the graph reads a non-persistent buffer under its FQN."""
 import copy
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -187,3 +189,22 @@ def test_materialize_from_meta(capture):
     for fqn, t in list(sharded.named_parameters()) + list(sharded.named_buffers()):
         torch.testing.assert_close(t, expected_local(sharded, mesh, full[fqn], fqn), msg=fqn)
     assert sorted(sharded.state_dict()) == MODEL_KEYS
+
+
+def test_a_meta_model_after_from_pretrained(tmp_path):
+    """``from_pretrained`` swaps ``torch.linspace`` while it builds on meta; torch's table of
+    the factories a ``torch.device`` block redirects, filled then, would keep every later
+    ``torch.linspace`` on the CPU (the test above failed so, run after an HF load in the same
+    process). Importing fxshard fills the table first: run in a fresh process, in that order."""
+    script = f"""
+import torch, transformers, fxshard
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2)
+transformers.LlamaForCausalLM(cfg).save_pretrained({str(tmp_path)!r})
+transformers.LlamaForCausalLM.from_pretrained({str(tmp_path)!r})
+with torch.device("meta"):
+    print("linspace on", torch.linspace(0.5, 1.5, 4).device)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "linspace on meta" in out.stdout, out.stdout

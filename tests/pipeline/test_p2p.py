@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,5 +101,6 @@ def _four_ranks(rank: int, world_size: int) -> None:
     _check("gpt2", {"pp": 2, "dp": 2}, "Interleaved1F1B", 2, 2)
 
 
+@pytest.mark.sweep  # four real ranks, a minute: .ci/run's second stage, which CI reaches
 def test_comm_summary_of_a_pipelined_step_equals_the_measured_p2p_and_collectives():
     spawn(_four_ranks, 4)

@@ -126,6 +126,8 @@ MESHES = [("llama", "dp=2,tp=2", 4, ["--compile", "aot_eager"]), ("llama", "pp=2
 
 # the widest cases run in .ci/run's second stage (pytest -m sweep), keeping the main stage under 30 minutes
 SWEEP_MESHES = {"pp=2,dp=2 --activation-checkpointing selective",
+                # --compile is proven in the main stage by tests/test_compile.py and test_regional_compile.py
+                "dp=2,tp=2 --compile aot_eager",
                 # the library's no_sync(sharded_grads=True) is proven in the main stage (tests/test_accumulate.py)
                 "dp=2,ep=2 --accum-grads sharded"}
 
@@ -181,7 +183,7 @@ def _same_logits(a: str, b: str) -> None:
     torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3", "qwen3 type"])
+@pytest.mark.parametrize("model", ["llama", "qwen3", pytest.param("qwen3 type", marks=pytest.mark.sweep)])
 def test_bf16_fsdp_param_dtype(model, checkpoints, cache, tmp_path):
     """--bf16 at dp=2,tp=2 is FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on the
     HF program, with --accum 2 (fxshard.no_sync: Qwen3's q/k norms have tensor-parallel syncs held
@@ -198,6 +200,7 @@ def test_bf16_fsdp_param_dtype(model, checkpoints, cache, tmp_path):
         assert abs(got[step]["loss"] - rec["loss"]) <= 3e-2 * rec["loss"], (model, step, got[step]["loss"], rec["loss"])
 
 
+@pytest.mark.sweep  # the longest trainer run (a kill, a restart, a resume): the second stage
 def test_killed_rank_resumes_with_its_data_position(checkpoints, cache, tmp_path):
     """A rank SIGKILLed at a random step; ``torchrun --max-restarts=1`` restarts the run, which
     resumes from the last committed checkpoint (weights, optimizer, scheduler, data position)

@@ -45,10 +45,13 @@ RUNS = {
 # Published runs (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: H100s of 96 GB, seq 8192 unless
 # said): (table, model, GPUs, seq, global batch, the mesh and AC mode as published, memory GiB, tokens/s/GPU,
 # precision). torchtitan's memory is the peak reserved by the caching allocator (the planner predicts what is
-# allocated); runs marked fp8 used Float8 linears and torch.compile, which the planner's bf16 roofline does not model.
+# allocated); runs "+compile" compiled their blocks (planned so: the trainer's --compile inductor); runs marked fp8
+# used Float8 linears, which the planner's bf16 roofline does not model.
 PUBLISHED = [
     ("T1", "8B", 8, 8192, 16, {"dp": 8}, "selective", 82.4, 5762, "bf16"),
+    ("T1", "8B", 8, 8192, 16, {"dp": 8}, "selective", 77.0, 6667, "bf16+compile"),
     ("T3", "8B", 128, 8192, 256, {"dp": 128}, "selective", 67.0, 5605, "bf16"),
+    ("T3", "8B", 128, 8192, 256, {"dp": 128}, "selective", 62.0, 6514, "bf16+compile"),
     ("T2", "8B", 8, 32768, 8, {"dp": 8}, "full", 83.9, 3890, "fp8+compile"),
     ("T2", "8B", 8, 262144, 1, {"cp": 8}, "full", 84.5, 548, "fp8+compile"),
     ("T4", "70B", 256, 8192, 512, {"dp": 32, "tp": 8}, "full", 71.9, 829, "fp8+compile"),
@@ -63,15 +66,16 @@ PUBLISHED = [
 
 def published_rows(root: str, device: str = "h100-hbm2e", precision: str | None = None) -> list[dict]:
     """Each published run (those in ``precision`` when given) planned with its own mesh, AC mode
-    and batch (the constants of the machine it ran on, 96 GiB, bf16), and the planner's own best
-    choice for the same GPUs and batch."""
+    and batch (the constants of the machine it ran on, 96 GiB, bf16; compiled where it was), and
+    the planner's own best choice for the same GPUs and batch."""
     from fxshard.planner import plan_parallelism
 
     rows = []
     for table_, size, world, seq, batch, mesh, ac, gib, tps, published_in in PUBLISHED:
         if precision is not None and published_in != precision:
             continue
-        kw = dict(memory_gib=96, seq=seq, global_batch=batch, device=device, dtype="bf16")
+        kw = dict(memory_gib=96, seq=seq, global_batch=batch, device=device, dtype="bf16",
+                  compiled="compile" in published_in)
         (e, *_) = plan_parallelism(config_dir(size, root), world, candidates=[{**mesh, "activation_checkpointing": ac}], **kw)
         best = plan_parallelism(config_dir(size, root), world, **kw)[0]
         predicted_gib = e.memory.get("total", 0) / 2**30
@@ -99,8 +103,10 @@ MEGATRON = [
 def megatron_rows(root: str, device: str = "h100") -> list[dict]:
     """Megatron's GPT runs (HF's GPT-2 architecture at their sizes: learned positions, GELU, dropout
     0.1 as Megatron's defaults) planned with their mesh (interleaved pipeline), the fastest
-    activation checkpointing mode that fits; their tokens/s from their TFLOP/s by Megatron's
-    own count, 72 l h^2 (1 + s / 6h + V / 12lh) FLOPs a token (Narayanan et al., 2021)."""
+    activation checkpointing mode that fits, compiled (Megatron runs Transformer Engine's fused
+    kernels; fxshard's program fuses its elementwise ops under --compile inductor) and eager;
+    their tokens/s from their TFLOP/s by Megatron's own count, 72 l h^2 (1 + s / 6h + V / 12lh)
+    FLOPs a token (Narayanan et al., 2021)."""
     from fxshard.planner import plan_parallelism
 
     rows, seq, vocab = [], 4096, 131072
@@ -113,15 +119,20 @@ def megatron_rows(root: str, device: str = "h100") -> list[dict]:
         mesh = {"tp": tp, "pp": pp, "dp": 48}
         if pp > 1:
             mesh.update(schedule="Interleaved1F1B", microbatches=batch // 48)
-        entries = plan_parallelism(path, gpus, memory_gib=80, seq=seq, global_batch=batch, device=device, dtype="bf16",
-                                   candidates=[{**mesh, "activation_checkpointing": m} for m in ("none", "selective", "full")])
-        e = next((e for e in entries if e.fits), entries[0])
+        fastest = {}
+        for compiled in (True, False):
+            entries = plan_parallelism(path, gpus, memory_gib=80, seq=seq, global_batch=batch, device=device,
+                                       dtype="bf16", compiled=compiled,
+                                       candidates=[{**mesh, "activation_checkpointing": m} for m in ("none", "selective", "full")])
+            fastest[compiled] = next((e for e in entries if e.fits), entries[0])
+        e, eager = fastest[True], fastest[False]
         per_token = 72 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
         tps = tflops * 1e12 / per_token
         rows.append({"run": f"Megatron GPT {size}", "gpus": gpus, "seq": seq, "mesh": e.mesh_spec,
                      "AC": e.activation_checkpointing, "precision": "bf16", "fits": "yes" if e.fits else f"no: {e.reason}",
                      "pred_gib": e.memory.get("total", 0) / 2**30, "pub_tps": tps, "pred_tps": e.tokens_per_s,
-                     "tps_ratio": e.tokens_per_s / tps})
+                     "tps_ratio": e.tokens_per_s / tps, "eager_tps": eager.tokens_per_s,
+                     "eager_ratio": eager.tokens_per_s / tps})
     return rows
 
 
@@ -197,11 +208,12 @@ def main() -> None:
                                            ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f"),
                                            ("best", "planner's best", ""), ("best_tps", "predicted", ",.0f")]))
         print("\nMegatron-LM's GPT weak-scaling runs (H100 SXM, 'h100'; no memory published), their mesh, the "
-              "fastest AC mode that fits:")
+              "fastest AC mode that fits, compiled (--compile inductor) and eager:")
         print(table(results["megatron"], [("run", "run", ""), ("gpus", "GPUs", "d"), ("mesh", "mesh", ""),
                                           ("AC", "AC", ""), ("fits", "fits", ""), ("pred_gib", "predicted GiB", ".1f"),
                                           ("pub_tps", "published tokens/s/GPU", ",.0f"),
-                                          ("pred_tps", "predicted", ",.0f"), ("tps_ratio", "ratio", ".2f")]))
+                                          ("pred_tps", "predicted, compiled", ",.0f"), ("tps_ratio", "ratio", ".2f"),
+                                          ("eager_tps", "eager", ",.0f"), ("eager_ratio", "ratio", ".2f")]))
         for size in ([] if a.published else a.sizes.split(",")):
             batch, compare = RUNS[size]
             world = a.world or WORLD[size]

@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--data", nargs="+", default=None, metavar="FILE", help="the text files the best: line trains on")
     p.add_argument("--device", default=None, help="h100, h200, a100, cpu, or a --calibrate JSON (default: this machine)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPUs, fp32 on a CPU")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="the run compiles its blocks (the trainer's --compile): inductor's fused kernels are timed, "
+                        "other backends fuse nothing (timed as eager)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks that share the fast links (default: the device's)")
     p.add_argument("--candidates", default=None,
                    help="evaluate just these, ';'-separated: 'tp=2;pp=2,tp=2,m=4,schedule=GPipe,ac;dp=4,accum=2' "
@@ -103,7 +106,7 @@ def run_plan(args) -> int:
         entries = plan_parallelism(args.model, args.world, memory_gib=args.memory_gib, seq=args.seq,
                                    global_batch=args.batch, device=cal if args.device else None, candidates=candidates,
                                    dtype=args.dtype, gpus_per_node=args.gpus_per_node, accum=args.accum,
-                                   accum_grads=args.accum_grads)
+                                   accum_grads=args.accum_grads, compiled=args.compile == "inductor")
     except (PlanError, ValueError) as e:
         if rank0:
             print(f"fxshard plan: error: {e}", file=sys.stderr, flush=True)
@@ -115,6 +118,9 @@ def run_plan(args) -> int:
     print(f"fxshard plan: {args.model} on {args.world} ranks of {memory:.4g} GiB ({where}), seq {args.seq}, "
           f"batch {args.batch}: {fits} of {len(entries)} candidates fit ({plan_parallelism.last_seconds:.1f} s)")
     print(f"constants: {cal.describe()}")
+    if args.compile:
+        print(f"compiled with {args.compile}: " + ("elementwise ops timed as inductor's fused kernels"
+                                                  if args.compile == "inductor" else "nothing fused, timed as eager"))
     print(format_table(entries, top=args.top, rejected=args.rejected))
     errors = list({id(e.error): e.error for e in entries if e.error is not None}.values())
     for err in errors:
@@ -130,7 +136,7 @@ def run_plan(args) -> int:
 def best_command(entry, args, cal) -> str:
     """The command that trains ``entry``: torchrun over its ranks, ``train`` with the model, the
     sizes and every flag of the entry (``--data TEXT_FILES`` stands for the files when ``--data``
-    was not given), in bf16 when the plan was.
+    was not given), in bf16 and compiled when the plan was.
 
     Example: ``torchrun --nproc-per-node 4 -m fxshard train --model llama --data TEXT_FILES --seq 256
     --batch 8 --mesh dp=2,tp=2 --accum 2``"""
@@ -146,7 +152,8 @@ def best_command(entry, args, cal) -> str:
     text = " ".join(shlex.quote(w) if w != "TEXT_FILES" else w for w in words)
     flags = entry.trainer_flags()
     bf16 = (args.dtype or cal.dtype) == "bf16"
-    return text + (f" {flags}" if flags else "") + (" --bf16" if bf16 else "")
+    compiled = f" --compile {shlex.quote(args.compile)}" if args.compile else ""
+    return text + (f" {flags}" if flags else "") + (" --bf16" if bf16 else "") + compiled
 
 
 def _entry_json(e) -> dict:

@@ -31,8 +31,9 @@ def resolve_auto_mesh(args) -> ParallelDims:
     """``--mesh auto``: the best entry of ``fxshard.plan_parallelism`` for this model, process
     count, ``--seq``, ``--batch`` and ``--memory-gib`` (default: the device's, a CPU's memory
     over ``LOCAL_WORLD_SIZE``; every rank plans the same, before the process group exists),
-    with the gradient-accumulation passes (``--accum``: kept when above 1) and where FSDP2's
-    gradients wait between them (``--accum-grads``: kept when given), the pipeline flags
+    timed compiled under ``--compile inductor``, with the gradient-accumulation passes
+    (``--accum``: kept when above 1) and where FSDP2's gradients wait between them
+    (``--accum-grads``: kept when given), the pipeline flags
     and activation checkpointing it names unless given; ``args`` is updated in place, the
     choice printed by rank 0, and its :class:`~fxshard.recipe.parallel_dims.ParallelDims` returned.
 
@@ -51,7 +52,8 @@ def resolve_auto_mesh(args) -> ParallelDims:
     try:
         entries = plan_parallelism(model, world, memory_gib=args.memory_gib, seq=args.seq, global_batch=args.batch,
                                    device="cpu" if args.device == "cpu" else None, dtype="bf16" if args.bf16 else "fp32",
-                                   accum=args.accum if args.accum > 1 else None, accum_grads=args.accum_grads)
+                                   accum=args.accum if args.accum > 1 else None, accum_grads=args.accum_grads,
+                                   compiled=args.compile == "inductor")
     except PlanError as e:
         raise TrainerError(f"--mesh auto: the planner refused: {e}") from None
     best = next((e for e in entries if e.fits), None)

@@ -79,7 +79,7 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
                      global_batch: int | None = None, seq: int | None = None, device=None,
                      candidates: list[dict] | None = None, dtype: str | None = None,
                      gpus_per_node: int | None = None, accum: int | None = None,
-                     accum_grads: str | None = None) -> list[PlanEntry]:
+                     accum_grads: str | None = None, compiled: bool = False) -> list[PlanEntry]:
     """Every candidate mesh of ``world_size`` ranks for training ``model``, best first: those
     that fit ``memory_gib`` per rank by predicted step time, then the rejected with their reason.
 
@@ -106,7 +106,10 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
     Each candidate runs in the fewest gradient-accumulation passes that fit, unless it names
     its own or ``accum`` fixes them for all (the trainer's ``--accum``); between them FSDP2's
     gradients wait unsharded, or sharded where that does not fit, unless a candidate names its
-    ``accum_grads`` or ``accum_grads`` fixes it for all (``--accum-grads``).  A bug met while planning one sub-plan (a tp/cp/ep program) is an
+    ``accum_grads`` or ``accum_grads`` fixes it for all (``--accum-grads``).  ``compiled``: the
+    program runs compiled by inductor (the trainer's ``--compile inductor``): its elementwise
+    ops are timed as the fused kernels they become (``fxshard/planner/fusion.py``; memory stays
+    the eager program's, an upper bound).  A bug met while planning one sub-plan (a tp/cp/ep program) is an
     :class:`~fxshard.errors.InternalError` naming it, on that sub-plan's entries (``error``,
     and a ``reason`` starting ``internal error``); the other sub-plans are planned.
     """
@@ -172,7 +175,7 @@ def plan_parallelism(model, world_size: int, *, memory_gib: float | None, exampl
         choices = [c.accum] if fixed else accum_choices(c, global_batch)
         try:
             chosen, est = _fewest_passes(c, choices, facts[sp], memory_gib * GIB, grads_fixed, global_batch=global_batch,
-                                         seq=seq, cal=cal, bf16=bf16)
+                                         seq=seq, cal=cal, bf16=bf16, compiled=compiled)
         except Exception as e:  # noqa: BLE001 - the arithmetic's bug: this sub-plan's entries only
             _internal(entry, subplan_internal_error(sp, e))
             continue

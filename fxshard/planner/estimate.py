@@ -27,7 +27,9 @@ Per pipeline rank (all ranks are alike without pp):
   cut, the step's loss broadcast and tied-gradient sums, and FSDP2's all-gathers (forward,
   and again in the backward for blocks) and reduce-scatters;
 - **time**: a roofline per micro-batch (matmul FLOPs at the calibrated rate, the bytes of every
-  other kernel at the memory bandwidth, a fixed cost per kernel; backward twice the forward,
+  other kernel at the memory bandwidth, a fixed cost per kernel; ``compiled``: a block's as the
+  kernels inductor fuses them into, ``fusion.py``, the root program's eager, as
+  ``fxshard.compile`` leaves it; backward twice the forward,
   plus one forward of every checkpointed block under full checkpointing, the ops it does not
   save under selective), each collective's latency plus its
   ring bytes over its link (within a node or not, from where the axis's ranks sit), the
@@ -88,7 +90,7 @@ class Estimate:
 
 
 def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, cal: Calibration,
-             bf16: bool = False) -> Estimate:
+             bf16: bool = False, compiled: bool = False) -> Estimate:
     m = c.mesh
     dp, pp, v, M, A = m["dp"], m["pp"], c.virtual, c.microbatches, c.accum
     fsdp = dp * (m.get("cp", 1) if pp == 1 else 1)  # FSDP2 shards over dp x cp (the trainer's; under pp over dp)
@@ -129,12 +131,13 @@ def estimate(c: Candidate, facts: ProgramFacts, *, global_batch: int, seq: int, 
             comm[a] = comm.get(a, 0.0) + b
         comm = {a: b * A for a, b in comm.items()}  # each pass runs the program's collectives and the pipeline's sends
         fsdp_axis = "dp" if dp > 1 else "cp"  # the outer of FSDP2's axes: its link spans both
-        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, M, pp, bf16, m, cal, accum=A, axis=fsdp_axis,
+        fsdp_bytes, fsdp_s, first_gather_s = _fsdp_comm(units, fsdp, pp, bf16, m, cal, accum=A, axis=fsdp_axis,
                                                         reduce_every_pass=c.sharded_grads or pp > 1)
         if fsdp_bytes:
             comm[fsdp_axis] = comm.get(fsdp_axis, 0.0) + fsdp_bytes
-        fwd = sum(_forward_seconds(u, rows, cal) for u in units)
-        recompute = sum(_recompute_seconds(facts.block(i), rows, cal, ac_mode) for i in ckpt)
+        # fxshard.compile compiles the blocks; the root program (embedding, head, loss) stays eager
+        fwd = sum(_forward_seconds(u, rows, cal, compiled and u.name not in (BEFORE, AFTER)) for u in units)
+        recompute = sum(_recompute_seconds(facts.block(i), rows, cal, ac_mode, compiled) for i in ckpt)
         ranks.append(RankEstimate(r, stages, blocks, memory, comm, {
             "compute": 3 * fwd + recompute, "comm": comm_s + p2p_s, "fsdp": fsdp_s, "fsdp_exposed": first_gather_s,
             "optimizer": 7 * params / (cal.memory_gbps * 1e9)}))
@@ -362,7 +365,7 @@ def _p2p(facts, stage_blocks, stages, spec, c: Candidate, r: int, rows: float, a
     return out, seconds
 
 
-def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Calibration, accum: int = 1,
+def _fsdp_comm(units, dp: int, pp: int, bf16: bool, mesh: dict, cal: Calibration, accum: int = 1,
                axis: str = "dp", reduce_every_pass: bool = False):
     """FSDP2's bytes per step on this rank, the seconds they take, and the seconds of the first
     all-gather (nothing to overlap it with).  Each of ``accum`` passes gathers again; the
@@ -377,9 +380,10 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
         padded = sum(fsdp_shard_numel(shape, dp) * dp * size for _, shape, size in u.params if shape)
         if not padded:
             continue
-        # a block is gathered for each micro-batch's forward and once for the backward (torch's stage keeps it
-        # gathered until the last micro-batch's); the root (before, after) once: it is not resharded in between
-        gathers = (1 if u.name in (BEFORE, AFTER) else M + 1) * accum
+        # a block is gathered for its forward and again for its backward; under pp once a pass (fxshard.fully_shard
+        # does not reshard a stage after the forward, and torch's schedule keeps it gathered until the last
+        # micro-batch's backward); the root (before, after) once: it is not resharded in between
+        gathers = (1 if u.name in (BEFORE, AFTER) or pp > 1 else 2) * accum
         g = padded * gather_size
         reduces = accum if reduce_every_pass else 1
         total += gathers * g + reduces * padded
@@ -389,11 +393,11 @@ def _fsdp_comm(units, dp: int, M: int, pp: int, bf16: bool, mesh: dict, cal: Cal
     return total, seconds, first
 
 
-def _recompute_seconds(u: UnitFacts, rows: float, cal: Calibration, mode: str) -> float:
+def _recompute_seconds(u: UnitFacts, rows: float, cal: Calibration, mode: str, compiled: bool = False) -> float:
     """A checkpointed block's recomputation in the backward: its forward (``full``), or the
     ops selective checkpointing does not save (``selective``: norms, activations, rotary, every
     other ``mm``; attention's outputs are saved, so none of its FLOPs is recomputed)."""
-    full = _forward_seconds(u, rows, cal)
+    full = _forward_seconds(u, rows, cal, compiled)
     if mode != "selective":
         return full
     attention = u.attention_flops.at(rows)
@@ -402,10 +406,13 @@ def _recompute_seconds(u: UnitFacts, rows: float, cal: Calibration, mode: str) -
     return max(0.0, full - skipped)
 
 
-def _forward_seconds(u: UnitFacts, rows: float, cal: Calibration) -> float:
+def _forward_seconds(u: UnitFacts, rows: float, cal: Calibration, compiled: bool = False) -> float:
+    """One forward of ``u``: its matmuls, and its other kernels' bytes and fixed costs, eager
+    or as inductor fuses them (``compiled``)."""
     attention = u.attention_flops.at(rows)
-    return (_flop_seconds(u.matmul_flops.at(rows) - attention, attention, cal) + u.other_bytes.at(rows) / (cal.memory_gbps * 1e9)
-            + u.kernels.at(rows) * cal.kernel_us * 1e-6)
+    other, kernels = (u.fused_bytes, u.fused_kernels) if compiled else (u.other_bytes, u.kernels)
+    return (_flop_seconds(u.matmul_flops.at(rows) - attention, attention, cal) + other.at(rows) / (cal.memory_gbps * 1e9)
+            + kernels.at(rows) * cal.kernel_us * 1e-6)
 
 
 def _flop_seconds(matmul: float, attention: float, cal: Calibration) -> float:

@@ -12,7 +12,8 @@ captured block, "<after>" the last with the loss):
 
 - ``params``: the local shape of every parameter this rank holds (the transformed program's);
 - ``comm``: the rows of ``fxshard.comm_summary`` of the program, per micro-batch;
-- ``saved``, ``matmul_flops``, ``other_bytes``, ``kernels``, what selective activation
+- ``saved``, ``matmul_flops``, ``other_bytes``, ``kernels`` (and ``fused_bytes``,
+  ``fused_kernels``: those of the program compiled, its elementwise ops fused), what selective activation
   checkpointing keeps and skips (``selective_*``) and the tensors a block takes from
   outside (what a pipeline cut in front of it sends): from two forward runs on the meta device
   at ``ROWS`` and ``2 ROWS`` rows, so that each is an :class:`Affine` function of the rows of
@@ -143,6 +144,8 @@ class UnitFacts:
     selective_skip_bytes: Affine = Affine()
     selective_skip_kernels: Affine = Affine()
     backward_working: Affine = Affine()  # <after> only: the peak bytes its own backward makes (the logits' gradients)
+    fused_bytes: Affine = Affine()  # other_bytes and kernels of the compiled program (inductor's fused kernels)
+    fused_kernels: Affine = Affine()
 
     @property
     def param_bytes(self) -> int:
@@ -349,7 +352,7 @@ def _fill_counts(units: dict[str, UnitFacts], runs: list[ForwardCounts]) -> None
         u.other_bytes = Affine.fit(a.other_bytes, b.other_bytes)
         u.kernels = Affine.fit(a.kernels, b.kernels)
         for f in ("selective_saved", "selective_skip_flops", "selective_skip_bytes", "selective_skip_kernels",
-                  "backward_working"):
+                  "backward_working", "fused_bytes", "fused_kernels"):
             setattr(u, f, Affine.fit(getattr(a, f), getattr(b, f)))
         u.inputs = [(Affine.fit(x, y), grad) for (x, grad), (y, _) in zip(small.inputs.get(name, ()), large.inputs.get(name, ()))]
 

@@ -16,7 +16,8 @@ the part after the last block with the loss):
 - ``matmul_flops`` (``torch.utils.flop_counter``'s formulas, attention included; attention's
   alone in ``attention_flops``),
   ``other_bytes`` (bytes read and written by every other kernel that is not a view) and
-  ``kernels``;
+  ``kernels``, and the same once inductor fuses the ops between two matmuls (``fused_bytes``,
+  ``fused_kernels``: what ``torch.compile`` runs, ``fusion.py``);
 - for selective activation checkpointing, per block, what the trainer's op policy
   (``fxshard.training.checkpointing.selective_policy``, asked about every op as the checkpoint
   asks it) keeps: ``selective_saved``, the bytes of the unique storages its saved ops output
@@ -57,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from fxshard.errors import PlanError
+from fxshard.planner.fusion import FusedKernels, storage_key, tensor_bytes
 from fxshard.runtime.collectives import bind_mesh
 from fxshard.training.checkpointing import selective_policy
 
@@ -118,6 +120,8 @@ class UnitCounts:
     selective_skip_bytes: int = 0
     selective_skip_kernels: int = 0
     backward_working: int = 0  # the part after the blocks: the peak bytes its own backward makes
+    fused_bytes: int = 0  # other_bytes and kernels once inductor fuses the ops between the matmuls (fusion.py)
+    fused_kernels: int = 0
 
 
 @dataclass
@@ -153,7 +157,7 @@ class _DeviceAttention(torch.autograd.Function):
 
 
 class _Attention(TorchFunctionMode):
-    def __init__(self, on_attention: Callable[[int, int, int], None]):
+    def __init__(self, on_attention: Callable[[int, int, int, list], None]):
         super().__init__()
         self.on_attention = on_attention
 
@@ -168,12 +172,13 @@ class _Attention(TorchFunctionMode):
             moved = sum(t.numel() * t.element_size() for t in (q, k, v)) * 2
             # what a device's attention kernel outputs (saved by selective checkpointing): the output, the lse
             out = math.prod(q.shape[:-1]) * v.shape[-1] * q.element_size() + math.prod(q.shape[:-1]) * 4
-            self.on_attention(flops, moved, out)
+            self.on_attention(flops, moved, out, [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)])
             return _DeviceAttention.apply(q, k, v, mask)
         return func(*args, **kwargs)
 
 
 _MATMULS = {p for p in flop_registry if "attention" not in str(p)}
+_FUSIBLE = {"aten", "prims"}  # inductor fuses these; a collective or a custom op is a kernel of its own
 _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.new_empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
                 torch.ops.aten.new_empty_strided}
 
@@ -190,6 +195,7 @@ class _Counter(TorchDispatchMode):
         self.selective: set[int] = set()  # storages the policy saves (counted once)
         self.param_storages: set[int] = set()  # the program's parameters: which units read each
         self.param_units: dict[int, set[str]] = {}
+        self.fused = FusedKernels()  # the same ops as a compiled program runs them
 
     def _selective(self, unit: UnitCounts, func, args, kwargs, outs, flops: int, moved: int) -> None:
         """Ask the block's selective-checkpointing policy about this op, as the checkpoint would."""
@@ -199,8 +205,8 @@ class _Counter(TorchDispatchMode):
         unit.selective_skip_bytes += moved
         unit.selective_skip_kernels += 1 if (flops or moved) else 0
         for t in outs:
-            if _storage(t) not in self.selective:
-                self.selective.add(_storage(t))
+            if storage_key(t) not in self.selective:
+                self.selective.add(storage_key(t))
                 unit.selective_saved += t.untyped_storage().nbytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -212,18 +218,20 @@ class _Counter(TorchDispatchMode):
             unit = self.counts.unit(self.where())
             unit.matmul_flops += 2 * out.numel() * a.shape[-1]
             unit.kernels += 1
+            unit.fused_kernels += 1
+            self.fused.barrier(self.where(), [t for t in args if isinstance(t, torch.Tensor)])
             self._selective(unit, func, args, kwargs, [out], 2 * out.numel() * a.shape[-1], 0)
-            self.made.setdefault(_storage(out), self.where())
+            self.made.setdefault(storage_key(out), self.where())
             self.keep.append(out)
             return out
         out = func(*args, **kwargs)
         unit = self.counts.unit(self.where())
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        in_storages = {_storage(t) for t in ins}
+        in_storages = {storage_key(t) for t in ins}
         for key in in_storages & self.param_storages:
             self.param_units.setdefault(key, set()).add(self.where())
-        fresh = [t for t in outs if _storage(t) not in in_storages]
+        fresh = [t for t in outs if storage_key(t) not in in_storages]
         packet = func._overloadpacket
         flops = moved = 0
         if packet in _ALLOCATIONS:
@@ -232,14 +240,22 @@ class _Counter(TorchDispatchMode):
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
             unit.matmul_flops += flops
             unit.kernels += 1
+            unit.fused_kernels += 1
+            self.fused.barrier(self.where(), ins)
         elif fresh:  # a view makes no kernel and moves nothing
-            moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in fresh)
+            moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in fresh)
             unit.other_bytes += moved
             unit.kernels += 1
+            if func.namespace not in _FUSIBLE:  # a collective, a custom op: its own kernel, compiled or not
+                unit.fused_bytes += moved
+                unit.fused_kernels += 1
+                self.fused.barrier(self.where(), ins)
+            else:
+                self.fused.kernel(self.where(), ins, fresh)
         if packet not in _ALLOCATIONS:
             self._selective(unit, func, args, kwargs, fresh, flops, moved)
         for t in fresh:
-            self.made.setdefault(_storage(t), self.where())
+            self.made.setdefault(storage_key(t), self.where())
             self.keep.append(t)
         return out
 
@@ -259,9 +275,9 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):  # a view (a saved tensor unpacked, detached) makes nothing
-            if isinstance(t, torch.Tensor) and _storage(t) not in self.refs and _storage(t) not in inputs:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self.refs and storage_key(t) not in inputs:
                 storage = t.untyped_storage()
                 self.live += storage.nbytes()
                 self.refs[storage._cdata] = weakref.ref(storage, functools.partial(self._free, storage._cdata,
@@ -297,7 +313,7 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
     def enter(fqn, args, kwargs):
         state["unit"] = fqn
         counter.policy = selective_policy()  # one per checkpointed forward: it counts the block's matmuls
-        counts.inputs[fqn] = [(_nbytes(t), t.requires_grad and t.is_floating_point())
+        counts.inputs[fqn] = [(tensor_bytes(t), t.requires_grad and t.is_floating_point())
                               for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
     def leave(output) -> None:  # returns None: a forward hook's value would replace the block's output
@@ -310,12 +326,12 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
         handles.append(block.register_forward_pre_hook(lambda m, a, k, fqn=fqn: enter(fqn, a, k), with_kwargs=True))
         handles.append(block.register_forward_hook(lambda m, a, o: leave(o)))
     counter = _Counter(counts, lambda: state["unit"])
-    state_storages = {_storage(t) for t in list(program.parameters()) + list(program.buffers())}
-    counter.param_storages = {_storage(p) for p in program.parameters()}
+    state_storages = {storage_key(t) for t in list(program.parameters()) + list(program.buffers())}
+    counter.param_storages = {storage_key(p) for p in program.parameters()}
     saved: dict[int, tuple[int, str]] = {}
 
     def pack(t: torch.Tensor):
-        key = _storage(t)
+        key = storage_key(t)
         if key not in state_storages and key not in saved:
             made = counter.made.get(key, BEFORE)  # an input made outside the program: the first unit's
             saved[key] = (t.untyped_storage().nbytes(), made)
@@ -323,12 +339,15 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
                 counts.unit(BEFORE).shared += t.untyped_storage().nbytes()
         return t
 
-    def on_attention(flops: int, moved: int, out: int) -> None:
+    def on_attention(flops: int, moved: int, out: int, inputs: list) -> None:
         unit = counts.unit(state["unit"])
         unit.matmul_flops += flops
         unit.attention_flops += flops
         unit.other_bytes += moved
         unit.kernels += 1
+        unit.fused_bytes += moved  # its own kernel, compiled or not (flash attention)
+        unit.fused_kernels += 1
+        counter.fused.barrier(state["unit"], inputs)
         if counter.policy is not None:  # the attention kernel's outputs: saved by selective checkpointing
             unit.selective_saved += out
             unit.selective_skip_flops += flops
@@ -348,16 +367,12 @@ def measure_forward(program: torch.nn.Module, input_name: str, rows: int, seq: i
             h.remove()
     if loss is not None and blocks:
         # the head's own parameters (a tied embedding's gradient would run the blocks' backward)
-        head = [p for p in program.parameters() if counter.param_units.get(_storage(p)) == {AFTER}]
+        head = [p for p in program.parameters() if counter.param_units.get(storage_key(p)) == {AFTER}]
         counts.unit(AFTER).backward_working = _backward_working(value, state.get("last_output"), head)
     for nbytes, made in saved.values():
         counts.unit(made).saved += nbytes
+    for name, (nbytes, kernels) in counter.fused.totals().items():
+        counts.unit(name).fused_bytes += nbytes
+        counts.unit(name).fused_kernels += kernels
     return counts
 
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -68,8 +68,9 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ..
     that rule, and the planner's figures with it).  Blocks
     already wrapped by hand (``torch.distributed.fsdp.fully_shard(sharded.layers[0], ...)``)
     are left as they are.  A pipelined module (:func:`fxshard.pipeline_transform`): the
-    same on each of this rank's stages (each block, then the stage); the module's
-    parameters become the stages' new ones.
+    same on each of this rank's stages (each block, then the stage), with
+    ``reshard_after_forward=False`` unless given (one all-gather a pass, not one per
+    micro-batch); the module's parameters become the stages' new ones.
 
     Example: ``fxshard.fully_shard(sharded, mesh)``, ``fxshard.fully_shard(staged, mesh)``,
     ``fxshard.fully_shard(sharded, mesh, replicate={"dp": ("dp_replicate", "dp_shard")})``
@@ -79,6 +80,10 @@ def fully_shard(sharded: fx.GraphModule, mesh=None, *, axis: str | tuple[str, ..
         # the stages must hold this module's tensors (fxshard.materialize replaced them by FQN), or
         # FSDP2 would shard the meta tensors the stages were cut with
         sharded.sync_stage_state()
+        # torch's schedule keeps a stage's parameters gathered from its first backward to the pass's end;
+        # resharding after each micro-batch's forward would gather them again for every micro-batch, for
+        # no lower peak (torchtitan's default under pp, as here unless given)
+        fsdp_kwargs.setdefault("reshard_after_forward", False)
         for stage in sharded.stages:
             fully_shard(stage, mesh, axis=axis, replicate=replicate, **fsdp_kwargs)
         sharded.adopt_stage_state()

@@ -144,3 +144,48 @@ def test_mesh_auto_takes_the_planners_sharded_gradients(monkeypatch):
     args = parser.parse_args(base + ["--accum-grads", "unsharded"])
     resolve_auto_mesh(args)
     assert (args.accum, args.accum_grads) == (2, "unsharded") and asked["accum_grads"] == "unsharded"
+
+
+def test_compile_times_the_fused_blocks_and_reaches_the_train_command(capsys, tmp_path):
+    """``--compile inductor``: the blocks' elementwise ops are timed as inductor's fused kernels
+    (a faster step, the same memory), said in the header and passed on in the ``best:`` line;
+    another backend fuses nothing and changes no figure."""
+    import json
+
+    runs = {}
+    for flags in ([], ["--compile", "inductor"], ["--compile", "aot_eager"]):
+        out_json = tmp_path / f"plan{len(runs)}.json"
+        assert main(["plan", "--model", "llama", "--world", "2", "--memory-gib", "4", "--seq", str(SEQ), "--batch", "8",
+                     "--device", "h100", "--candidates", "dp=2", "--json", str(out_json), *flags]) == 0
+        out = capsys.readouterr().out
+        (entry,) = json.loads(out_json.read_text())
+        runs[" ".join(flags)] = (entry, out, _train_args(_best_line(out)))
+    eager, inductor, aot = runs[""], runs["--compile inductor"], runs["--compile aot_eager"]
+    assert inductor[0]["step_time_s"] < eager[0]["step_time_s"] and inductor[0]["memory"] == eager[0]["memory"]
+    assert aot[0]["step_time_s"] == eager[0]["step_time_s"]
+    assert "compiled with inductor: elementwise ops timed as inductor's fused kernels" in inductor[1]
+    assert "compiled with aot_eager: nothing fused" in aot[1] and "compiled with" not in eager[1]
+    assert (eager[2].compile, inductor[2].compile, aot[2].compile) == (None, "inductor", "aot_eager")
+
+
+def test_mesh_auto_plans_compiled_under_compile_inductor(monkeypatch):
+    import fxshard.planner
+    from fxshard.cli.train import resolve_auto_mesh
+    from fxshard.planner.api import PlanEntry
+    from fxshard.planner.candidates import Candidate
+
+    asked = {}
+
+    def plan(*args, **kwargs):
+        asked.update(kwargs)
+        c = Candidate.make({"dp": 2})
+        return [PlanEntry(dict(c.mesh), 1, None, "none", memory={"total": 1.0}, step_time_s=1.0, candidate=c)]
+
+    monkeypatch.setattr(fxshard.planner, "plan_parallelism", plan)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parser = add_train_arguments(argparse.ArgumentParser())
+    base = ["--model", "llama", "--model-config", "num_hidden_layers=2", "--data", "x.txt", "--mesh", "auto", "--seq",
+            str(SEQ), "--batch", "8", "--device", "cpu", "--memory-gib", "1"]
+    for flags, compiled in (([], False), (["--compile", "inductor"], True), (["--compile", "aot_eager"], False)):
+        resolve_auto_mesh(parser.parse_args(base + flags))
+        assert asked["compiled"] is compiled, flags
